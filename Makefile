@@ -1,0 +1,42 @@
+# Two commands: `make repro` runs the whole pipeline, `make test` runs the tests.
+# Both create the virtual environment first (idempotent).
+
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Stage commands in dvc.yaml call `python` and `torchrun`: put the venv first on PATH.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
+
+.PHONY: setup repro test test-fast lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || python3 -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+repro: setup
+	$(BIN)/dvc repro
+	$(BIN)/dflash report
+
+test: setup
+	$(BIN)/pytest -q
+
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow"
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: setup
+	$(BIN)/python bench/plan_bench.py
+	$(BIN)/python bench/tokenize_throughput.py
+	$(BIN)/python bench/train_throughput.py
+
+clean:
+	rm -rf $(VENV) data/ingested data/regenerated data/tokenized data/stats data/plans \
+		models checkpoints metrics plots wandb

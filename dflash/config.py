@@ -1,0 +1,331 @@
+"""Typed configuration loaded from ``params.yaml``.
+
+One dataclass per top-level section. Loading rejects unknown keys and bad values at once,
+naming the dotted key, the value and what is allowed, so a typo in ``params.yaml`` or in
+``dvc exp run -S`` never trains the wrong thing silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A parameter is unknown or has a value outside what is allowed."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "chitchat"
+    """``chitchat`` (the PyPI package) or a path to a ``.jsonl`` / ``.parquet`` file."""
+    eval_fraction: float = 0.05
+    max_seq_len: int = 1024
+    overlength: Literal["truncate", "drop"] = "truncate"
+    regenerate: bool = True
+    max_conversations: int | None = None
+    """Keep only the first N conversations after ingest (None = all); for quick runs."""
+    chunk_size: int = 1024
+    """Records tokenized per chunk: bounds memory of the tokenize stage."""
+
+    def validate(self) -> None:
+        _check_range("data.eval_fraction", self.eval_fraction, 0.0, 0.5)
+        _check_min("data.max_seq_len", self.max_seq_len, 8)
+        _check_min("data.chunk_size", self.chunk_size, 1)
+        if self.max_conversations is not None:
+            _check_min("data.max_conversations", self.max_conversations, 1)
+        if self.source != "chitchat" and not self.source.endswith((".jsonl", ".parquet")):
+            raise ConfigError(
+                f"data.source = {self.source!r}: allowed are 'chitchat' or a path ending in "
+                "'.jsonl' or '.parquet'"
+            )
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    path: str | None = None
+    """An existing Hugging Face tokenizer directory; None trains a byte-level BPE."""
+    vocab_size: int = 4096
+
+    def validate(self) -> None:
+        _check_min("tokenizer.vocab_size", self.vocab_size, 300)
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    path: str | None = None
+    """A Hugging Face causal-LM directory; None builds and pretrains the tiny default."""
+    num_hidden_layers: int = 6
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    pretrain_epochs: int = 2
+    pretrain_lr: float = 3.0e-3
+    pretrain_batch_tokens: int = 16384
+    seed: int = 0
+
+    def validate(self) -> None:
+        _check_min("target.num_hidden_layers", self.num_hidden_layers, 4)
+        _check_min("target.hidden_size", self.hidden_size, 16)
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"target.hidden_size = {self.hidden_size}: must be a multiple of "
+                f"target.num_attention_heads = {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"target.num_key_value_heads = {self.num_key_value_heads}: must divide "
+                f"target.num_attention_heads = {self.num_attention_heads}"
+            )
+        _check_min("target.pretrain_epochs", self.pretrain_epochs, 0)
+
+
+@dataclass(frozen=True)
+class RegenerateConfig:
+    temperature: float = 0.0
+    """0 = greedy, as DFlash trains on the target's own greedy outputs."""
+    max_new_tokens: int = 96
+    batch_size: int = 64
+    shard_size: int = 512
+    """Conversations per written shard; an interrupted run resumes at the next shard."""
+    seed: int = 0
+
+    def validate(self) -> None:
+        _check_min("regenerate.temperature", self.temperature, 0.0)
+        _check_min("regenerate.max_new_tokens", self.max_new_tokens, 1)
+        _check_min("regenerate.batch_size", self.batch_size, 1)
+        _check_min("regenerate.shard_size", self.shard_size, 1)
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    block_size: int = 16
+    num_hidden_layers: int = 1
+    num_target_layers: int = 3
+    """How many target hidden states are fused (paper: 5)."""
+    gamma: float = 7.0
+    """Loss decay: slot k weighs exp(-(k-1)/gamma)."""
+    anchors_per_sequence: int = 512
+
+    def validate(self) -> None:
+        _check_min("drafter.block_size", self.block_size, 2)
+        _check_min("drafter.num_hidden_layers", self.num_hidden_layers, 1)
+        _check_min("drafter.num_target_layers", self.num_target_layers, 1)
+        _check_min("drafter.gamma", self.gamma, 1e-6)
+        _check_min("drafter.anchors_per_sequence", self.anchors_per_sequence, 1)
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    strategy: Literal["sorted", "shuffle", "bucketed", "packed"] = "bucketed"
+    token_budget: int = 16384
+    max_batch_size: int = 64
+    num_buckets: int = 6
+    boundaries: Union[Literal["optimal", "quantile", "token_mass"], list[int]] = "optimal"  # noqa: UP007
+    seed: int = 0
+
+    def validate(self) -> None:
+        _check_min("batching.token_budget", self.token_budget, 1)
+        _check_min("batching.max_batch_size", self.max_batch_size, 1)
+        _check_min("batching.num_buckets", self.num_buckets, 1)
+        if isinstance(self.boundaries, list) and sorted(set(self.boundaries)) != self.boundaries:
+            raise ConfigError(
+                f"batching.boundaries = {self.boundaries!r}: an explicit list must be strictly "
+                "increasing"
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 6
+    world_size: int = 2
+    grad_accum: int = 1
+    lr: float = 6.0e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip_grad: float = 1.0
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 3
+    max_nonfinite_steps: int = 10
+    """Consecutive non-finite losses tolerated (each skips its step) before the run stops."""
+    num_workers: int = 1
+    prefetch: int = 4
+    seed: int = 0
+
+    def validate(self) -> None:
+        _check_min("train.epochs", self.epochs, 1)
+        _check_min("train.world_size", self.world_size, 1)
+        _check_min("train.grad_accum", self.grad_accum, 1)
+        _check_min("train.lr", self.lr, 0.0)
+        _check_range("train.warmup_ratio", self.warmup_ratio, 0.0, 1.0)
+        _check_min("train.clip_grad", self.clip_grad, 0.0)
+        _check_min("train.checkpoint_every", self.checkpoint_every, 1)
+        _check_min("train.keep_checkpoints", self.keep_checkpoints, 1)
+        _check_min("train.max_nonfinite_steps", self.max_nonfinite_steps, 1)
+        _check_min("train.num_workers", self.num_workers, 0)
+        _check_min("train.prefetch", self.prefetch, 1)
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    num_prompts: int = 64
+    max_new_tokens: int = 96
+    seed: int = 0
+
+    def validate(self) -> None:
+        _check_min("evaluate.num_prompts", self.num_prompts, 1)
+        _check_min("evaluate.max_new_tokens", self.max_new_tokens, 1)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    every: int = 10
+    project: str = "dflash"
+
+    def validate(self) -> None:
+        _check_min("logging.every", self.every, 1)
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = ()) -> Config:
+    """Read ``path`` (missing file = all defaults), apply ``key=value`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None and Path(path).exists():
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    elif path is not None and str(path) != "params.yaml":
+        raise ConfigError(f"params file {path} does not exist")
+    for item in overrides:
+        apply_override(raw, item)
+    return from_dict(raw)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` (value parsed as YAML, as ``dvc exp run -S`` does)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+    node[leaf] = yaml.safe_load(value)
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    config = _build(Config, raw, "")
+    for section in dataclasses.fields(config):
+        getattr(config, section.name).validate()
+    return config
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'params'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]} in {where}; allowed: {', '.join(sorted(names))}"
+        )
+    kwargs = {}
+    for name in names & set(raw):
+        kwargs[name] = _coerce(hints[name], raw[name], f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it in the annotated type."""
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} = {value!r}: allowed values are {', '.join(map(repr, args))}")
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option in args:
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(f"{key} = {value!r}: not any of the allowed forms ({'; '.join(errors)})")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: expected a list")
+        return [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(f"{key} = {value!r}: expected a list of {len(args)} values")
+        return tuple(
+            _coerce(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
+        )
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: expected true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r}: expected an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads ``1e-3`` (no dot) as a string; accept what float() reads.
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key} = {value!r}: expected a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r}: expected a string")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+def _check_min(key: str, value: float, low: float) -> None:
+    if value < low:
+        raise ConfigError(f"{key} = {value!r}: must be >= {low}")
+
+
+def _check_range(key: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise ConfigError(f"{key} = {value!r}: must be between {low} and {high}")
