@@ -1,0 +1,1 @@
+"""Data stages: ingest, tokenizer, tokenize, and the token store they produce."""

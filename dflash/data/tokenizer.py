@@ -1,0 +1,127 @@
+"""The tokenizer stage: train a small byte-level BPE, or adopt the target's tokenizer.
+
+Either way the result is a Hugging Face tokenizer directory with a chat template and the
+``<|MASK|>`` token the drafter fills its blocks with. A small ``dflash_tokenizer.json``
+beside it records where it came from and whether ``<|MASK|>`` had to be added, because an
+added token changes the vocabulary the target's embedding must cover.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from dflash import paths
+from dflash.config import Config
+from dflash.data.conversations import read_conversations
+
+MASK_TOKEN = "<|MASK|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, MASK_TOKEN]
+INFO_FILE = "dflash_tokenizer.json"
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+"""ChatML, the format Qwen-family targets serve, so a default run tokenizes like a real one."""
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``texts``; any string encodes, no unknown token needed."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START, MASK_TOKEN],
+        model_max_length=1 << 30,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def add_mask_token(tokenizer: PreTrainedTokenizerFast) -> bool:
+    """Make ``<|MASK|>`` a special token of ``tokenizer``; True when it had to be added."""
+    if MASK_TOKEN in tokenizer.get_vocab():
+        return False
+    tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+    return True
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
+    """Load a fast tokenizer directory; ``<|MASK|>`` is added (and reported) if missing."""
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not tokenizer.is_fast:
+        raise ValueError(f"tokenizer at {path} is not a fast tokenizer: offsets are needed")
+    if add_mask_token(tokenizer):
+        print(f"tokenizer at {path}: added special token {MASK_TOKEN}", file=sys.stderr)
+    return tokenizer
+
+
+def tokenizer_hash(tokenizer: PreTrainedTokenizerFast) -> str:
+    """Fingerprint of everything that decides token ids: vocabulary, rules, chat template.
+
+    Truncation and padding are left out: they are call settings a tokenizer call changes.
+    """
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    state.pop("truncation", None)
+    state.pop("padding", None)
+    state["chat_template"] = tokenizer.chat_template
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def conversation_texts(rows: Iterable[dict]) -> Iterator[str]:
+    """Message contents, the text a BPE is trained on (template markup is special tokens)."""
+    for row in rows:
+        for message in row["messages"]:
+            yield message["content"]
+
+
+def run(config: Config) -> None:
+    """Write ``models/tokenizer``: trained on the training split, or ``tokenizer.path``."""
+    if config.tokenizer.path is None:
+        rows = read_conversations(paths.CONVERSATIONS)
+        tokenizer = train_tokenizer(conversation_texts(rows), config.tokenizer.vocab_size)
+        source, added = "trained", False
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.path)
+        if not tokenizer.is_fast:
+            raise ValueError(f"tokenizer.path = {config.tokenizer.path}: not a fast tokenizer")
+        if not tokenizer.chat_template:
+            raise ValueError(f"tokenizer.path = {config.tokenizer.path}: has no chat_template")
+        source, added = str(config.tokenizer.path), add_mask_token(tokenizer)
+    paths.TOKENIZER.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(str(paths.TOKENIZER))
+    info = {
+        "source": source,
+        "mask_token": MASK_TOKEN,
+        "mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+        "mask_token_added": added,
+        "vocab_size": len(tokenizer),
+        "hash": tokenizer_hash(tokenizer),
+    }
+    (paths.TOKENIZER / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    print(f"tokenizer: {source}, {len(tokenizer)} tokens, {MASK_TOKEN} id {info['mask_token_id']}")

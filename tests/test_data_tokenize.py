@@ -1,0 +1,178 @@
+"""Tokenize: assistant-only loss mask for any template, length policy, the token store."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash import paths
+from dflash.config import Config, DataConfig, DrafterConfig, TokenizerConfig
+from dflash.data import ingest, tokenize, tokenizer
+from dflash.data.chat import ChatTemplateError, encode_conversation, encode_conversations
+from dflash.data.store import TokenStore, TokenStoreWriter
+
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi there"},
+    {"role": "assistant", "content": "Hello! How are you?"},
+    {"role": "user", "content": "fine"},
+    {"role": "assistant", "content": " spaced  out\nreply "},
+]
+ASSISTANT = [m["content"] for m in CHAT if m["role"] == "assistant"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    texts = [m["content"] for m in CHAT] * 5 + ["the quick brown fox jumps over the lazy dog"] * 5
+    return tokenizer.train_tokenizer(texts, 300)
+
+
+def masked_text(tok, ids: np.ndarray, mask: np.ndarray) -> str:
+    return tok.decode(ids[mask == 1].tolist())
+
+
+def test_masked_tokens_are_exactly_the_assistant_contents(tiny):
+    ids, mask = encode_conversation(tiny, CHAT)
+    assert ids.dtype == np.uint32 and mask.dtype == np.uint8 and len(ids) == len(mask)
+    assert masked_text(tiny, ids, mask) == "".join(c + tokenizer.IM_END for c in ASSISTANT)
+    assert tiny.decode(ids.tolist()) == tiny.apply_chat_template(CHAT, tokenize=False)
+
+
+WORD = st.text(alphabet="abcdefgh!?é€", min_size=1, max_size=6)
+CONTENT = st.lists(WORD, min_size=1, max_size=6).map(" ".join)
+TURN = st.tuples(st.sampled_from(["user", "assistant"]), CONTENT)
+
+
+@settings(max_examples=40, deadline=None)
+@given(turns=st.lists(TURN, min_size=1, max_size=6), system=st.none() | CONTENT)
+def test_mask_matches_assistant_contents_for_any_turn_structure(tiny, turns, system):
+    messages = [{"role": role, "content": content} for role, content in turns]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    ids, mask = encode_conversation(tiny, messages)
+    expected = "".join(
+        m["content"] + tokenizer.IM_END for m in messages if m["role"] == "assistant"
+    )
+    assert masked_text(tiny, ids, mask) == expected
+
+
+def test_mask_is_found_for_a_foreign_template(tiny):
+    """Trimmed contents, an injected system prompt that repeats assistant words, and a
+    generation prompt that is not a prefix of the rendered chat (as with Qwen3 thinking)."""
+    tiny.chat_template = (
+        "{{ bos_token }}{% if messages[0]['role'] != 'system' %}SYSTEM: fine Hello{% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}]\n\n"
+        "{% if m['role'] == 'assistant' and loop.last %}<think></think>{% endif %}"
+        "{{ m['content'] | trim }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]\n\n<think></think>{% endif %}"
+    )
+    try:
+        ids, mask = encode_conversation(tiny, CHAT[1:])
+    finally:
+        tiny.chat_template = tokenizer.CHAT_TEMPLATE
+    expected = "".join(c.strip() + tokenizer.IM_END for c in ASSISTANT)
+    assert masked_text(tiny, ids, mask) == expected
+
+
+def test_template_that_rewrites_content_is_an_error(tiny):
+    tiny.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    try:
+        with pytest.raises(ChatTemplateError, match="assistant message 2"):
+            encode_conversation(tiny, CHAT)
+    finally:
+        tiny.chat_template = tokenizer.CHAT_TEMPLATE
+
+
+def test_truncated_encoding_is_a_prefix_of_the_full_one(tiny):
+    ids, mask = encode_conversation(tiny, CHAT)
+    for cut in (1, 20, len(ids) - 3, len(ids)):
+        short_ids, short_mask = encode_conversation(tiny, CHAT, max_tokens=cut)
+        assert np.array_equal(short_ids, ids[:cut]) and np.array_equal(short_mask, mask[:cut])
+
+
+def rows(n: int) -> list[dict]:
+    chats = []
+    for i in range(n):
+        answer = "word " * (1 + 7 * i)
+        chats.append(
+            {
+                "conversation_id": f"c{i}",
+                "messages": [*CHAT[1:4], {"role": "assistant", "content": answer}],
+            }
+        )
+    return chats
+
+
+def write_store(tok, directory, max_seq_len=200, overlength="truncate", min_loss=8, chunk=3):
+    writer = TokenStoreWriter(directory)
+    chunks = [rows(10)[i : i + chunk] for i in range(0, 10, chunk)]
+    counts = tokenize.tokenize_chunks(chunks, tok, writer, max_seq_len, overlength, min_loss)
+    return writer.close(counts)
+
+
+def test_length_policy_counts_every_sample(tiny, tmp_path):
+    full = [len(ids) for ids, _ in encode_conversations(tiny, [r["messages"] for r in rows(10)])]
+    over = sum(n > 200 for n in full)
+    assert 0 < over < 10
+    kept = write_store(tiny, tmp_path / "t", overlength="truncate")
+    assert kept["truncated"] == over and kept["n_samples"] == 10
+    dropped = write_store(tiny, tmp_path / "d", overlength="drop")
+    assert dropped["dropped"]["overlength"] == over and dropped["n_samples"] == 10 - over
+    few = write_store(tiny, tmp_path / "f", min_loss=100)
+    assert few["dropped"]["too_few_loss_tokens"] > 0
+    assert few["n_samples"] + few["dropped"]["too_few_loss_tokens"] == 10
+    assert min(TokenStore(tmp_path / "f").n_loss_tokens) >= 100
+
+
+def test_store_round_trip_and_pickling(tiny, tmp_path):
+    manifest = write_store(tiny, tmp_path / "s", max_seq_len=1000)
+    store = TokenStore(tmp_path / "s")
+    expected = encode_conversations(tiny, [r["messages"] for r in rows(10)])
+    assert len(store) == 10 == manifest["n_samples"]
+    assert store.manifest == manifest and store.lengths.dtype == np.int32
+    assert store.conversation_ids == [f"c{i}" for i in range(10)]
+    for sample_id in (7, 0, 9):
+        ids, mask = store[sample_id]
+        assert np.array_equal(ids, expected[sample_id][0])
+        assert np.array_equal(mask, expected[sample_id][1])
+        assert store.lengths[sample_id] == len(ids)
+    clone = pickle.loads(pickle.dumps(store))
+    assert np.array_equal(clone[9][0], store[9][0])
+    with pytest.raises(IndexError):
+        store[10]
+
+
+def test_same_input_gives_byte_identical_store(tiny, tmp_path):
+    write_store(tiny, tmp_path / "a", chunk=3)
+    write_store(tiny, tmp_path / "b", chunk=4)
+    for name in ("tokens.bin", "loss_mask.bin", "index.parquet", "manifest.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+
+
+def test_stages_end_to_end(tmp_path, monkeypatch):
+    """ingest -> tokenizer -> tokenize through the stage functions, twice, same bytes."""
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(12)))
+    config = Config(
+        data=DataConfig(source=str(source), eval_fraction=0.1, max_seq_len=48, chunk_size=5),
+        tokenizer=TokenizerConfig(vocab_size=300),
+        drafter=DrafterConfig(block_size=2),
+    )
+    outputs = []
+    for _ in range(2):
+        ingest.run(config)
+        tokenizer.run(config)
+        paths.REGENERATED.mkdir(parents=True, exist_ok=True)
+        paths.REGENERATED_CONVERSATIONS.write_bytes(paths.CONVERSATIONS.read_bytes())
+        tokenize.run(config)
+        outputs.append({p.name: p.read_bytes() for p in sorted(paths.TOKENIZED.iterdir())})
+    assert outputs[0] == outputs[1]
+    store = TokenStore(paths.TOKENIZED)
+    info = json.loads((paths.TOKENIZER / tokenizer.INFO_FILE).read_text())
+    assert store.manifest["tokenizer_hash"] == info["hash"]
+    assert store.manifest["mask_token_id"] == info["mask_token_id"]
+    assert len(store) > 0 and store.lengths.max() <= 48
