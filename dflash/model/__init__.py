@@ -1,0 +1,9 @@
+"""The model side of DFlash: target features, the drafter, its objective and decoding.
+
+- ``features``: which target layers feed the drafter, and reading them from packed rows.
+- ``anchors``: random block starts of one document, re-drawn every epoch.
+- ``attention``: the block training mask (dense for SDPA, block-sparse for FlexAttention).
+- ``drafter``: the KV-injection drafter, its config and its Hugging Face style export.
+- ``objective``: decay-weighted same-position block cross-entropy.
+- ``generate``: greedy speculative decoding and the plain greedy reference.
+"""

@@ -1,0 +1,307 @@
+"""The DFlash drafter: a few bidirectional layers that denoise a whole block at once.
+
+The drafter borrows the target's embedding and LM head (frozen, never saved with it) and is
+conditioned on target features by *KV injection*: in every layer the keys and values are the
+fused context features followed by the block tokens, through the same ``k_proj``/``v_proj``.
+Queries come from the block only. Sizes mirror the target's, so the checkpoint layout matches
+the public DFlash inference code (``config.json`` + ``model.safetensors``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from dflash.model.attention import BlockMask, attend
+from dflash.model.features import target_layer_ids as spread_layer_ids
+
+INIT_STD = 0.02
+"""Normal init of every projection, as Qwen3's ``initializer_range``."""
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    block_size: int
+    num_hidden_layers: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    vocab_size: int
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+
+    def to_dict(self) -> dict:
+        """The Hugging Face style ``config.json`` of DESIGN.md.
+
+        The constant Qwen3 keys let the public DFlash inference code read it as a Qwen3 config;
+        the parameter names in ``model.safetensors`` follow that code's layout too.
+        """
+        fields = dataclasses.asdict(self)
+        dflash = {k: fields.pop(k) for k in ("mask_token_id", "target_layer_ids")}
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            **fields,
+            "dflash_config": dflash,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DFlashConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        flat = {k: v for k, v in data.items() if k in names}
+        flat.update(data.get("dflash_config", {}))
+        missing = names - flat.keys()
+        if missing:
+            raise ValueError(f"drafter config.json lacks {sorted(missing)}")
+        return cls(**flat)
+
+
+def _rope_theta(config) -> float:
+    """transformers 5 keeps the base in ``rope_parameters``; 4.x in ``rope_theta``."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin ``[B, L, head_dim]`` of absolute positions (the Qwen / Llama layout)."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
+    angles = positions[..., None].float() * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, H, L, d]``; cos/sin broadcast over heads."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class ContextCache:
+    """Per-layer keys/values of the context features seen so far during generation.
+
+    Only context entries are ever stored; the block's own keys are recomputed every step, so
+    rejected draft tokens never enter the cache and there is nothing to crop.
+    """
+
+    def __init__(self) -> None:
+        self.kv: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def extend(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if layer in self.kv:
+            k = torch.cat([self.kv[layer][0], k], dim=2)
+            v = torch.cat([self.kv[layer][1], v], dim=2)
+        self.kv[layer] = (k, v)
+        return k, v
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.config = layer, config
+        d, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(config.hidden_size, heads * d, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
+
+    def _heads(self, x: Tensor, n: int) -> Tensor:
+        return x.view(*x.shape[:2], n, self.config.head_dim)
+
+    def _keys_values(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        n = self.config.num_key_value_heads
+        k = apply_rotary(self.k_norm(self._heads(self.k_proj(x), n)).transpose(1, 2), *rope)
+        return k, self._heads(self.v_proj(x), n).transpose(1, 2)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor,
+        rope_block: tuple[Tensor, Tensor],
+        rope_context: tuple[Tensor, Tensor],
+        mask: Tensor | BlockMask | None,
+        cache: ContextCache | None,
+    ) -> Tensor:
+        q = self.q_norm(self._heads(self.q_proj(x), self.config.num_attention_heads))
+        q = apply_rotary(q.transpose(1, 2), *rope_block)
+        k_block, v_block = self._keys_values(x, rope_block)
+        k_context, v_context = self._keys_values(context, rope_context)
+        if cache is not None:
+            k_context, v_context = cache.extend(self.layer, k_context, v_context)
+        k = torch.cat([k_context, k_block], dim=2)
+        v = torch.cat([v_context, v_block], dim=2)
+        out = attend(q, k, v, mask, scale=self.config.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, layer)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor,
+        rope_block: tuple[Tensor, Tensor],
+        rope_context: tuple[Tensor, Tensor],
+        mask: Tensor | BlockMask | None,
+        cache: ContextCache | None,
+    ) -> Tensor:
+        attn_in = self.input_layernorm(x)
+        x = x + self.self_attn(attn_in, context, rope_block, rope_context, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    """The target's embedding and LM head, held in a plain dataclass rather than as submodules:
+    they are then not parameters or state of the drafter, so they are never trained, saved or
+    wrapped by DDP, and ``drafter.to(...)`` leaves them where the target is."""
+
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.borrowed = Borrowed(embed_tokens, lm_head)
+        n, hidden = len(config.target_layer_ids), config.hidden_size
+        self.fc = nn.Linear(n * hidden, hidden, bias=False)
+        self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=INIT_STD)
+
+    @classmethod
+    def from_target(
+        cls,
+        target: nn.Module,
+        *,
+        block_size: int,
+        num_hidden_layers: int,
+        num_target_layers: int,
+        mask_token_id: int,
+        seed: int = 0,
+    ) -> DFlashDrafter:
+        """A freshly initialised drafter (seeded, global RNG untouched) sized like ``target``."""
+        tc = target.config
+        heads = tc.num_attention_heads
+        config = DFlashConfig(
+            block_size=block_size,
+            num_hidden_layers=num_hidden_layers,
+            num_target_layers=num_target_layers,
+            target_layer_ids=spread_layer_ids(tc.num_hidden_layers, num_target_layers),
+            mask_token_id=mask_token_id,
+            vocab_size=target.get_input_embeddings().weight.shape[0],
+            hidden_size=tc.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            intermediate_size=tc.intermediate_size,
+            rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=_rope_theta(tc),
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls._attach(config, target)
+
+    @classmethod
+    def _attach(cls, config: DFlashConfig, target: nn.Module) -> DFlashDrafter:
+        if config.block_size < 2:
+            raise ValueError(f"block_size = {config.block_size}: a block needs at least 2 slots")
+        vocab, hidden = target.get_input_embeddings().weight.shape
+        if (config.vocab_size, config.hidden_size) != (vocab, hidden):
+            raise ValueError(
+                f"drafter expects vocab {config.vocab_size} x hidden {config.hidden_size}, "
+                f"the target has {vocab} x {hidden}"
+            )
+        if not 0 <= config.mask_token_id < vocab:
+            raise ValueError(f"mask_token_id = {config.mask_token_id} is outside the vocab {vocab}")
+        drafter = cls(config, target.get_input_embeddings(), target.get_output_embeddings())
+        return drafter.to(target.get_input_embeddings().weight.device)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """``config.json`` and ``model.safetensors`` with the drafter's own weights only."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: nn.Module) -> DFlashDrafter:
+        directory = Path(directory)
+        config = DFlashConfig.from_dict(json.loads((directory / "config.json").read_text()))
+        drafter = cls._attach(config, target)
+        drafter.load_state_dict(load_file(directory / "model.safetensors"), strict=True)
+        return drafter
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        """Target embeddings of ``token_ids``; detached so no gradient reaches the target."""
+        weight = self.borrowed.embed_tokens.weight.detach()
+        return F.embedding(token_ids, weight).to(self.fc.weight.dtype)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Target LM head applied to drafter hidden states, its weights detached."""
+        head = self.borrowed.lm_head
+        bias = None if getattr(head, "bias", None) is None else head.bias.detach()
+        return F.linear(hidden.to(head.weight.dtype), head.weight.detach(), bias)
+
+    def forward(
+        self,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        features: Tensor,
+        context_positions: Tensor,
+        mask: Tensor | BlockMask | None = None,
+        cache: ContextCache | None = None,
+    ) -> Tensor:
+        """Hidden states ``[B, Q, H]`` of the block slots.
+
+        ``block_ids``/``block_positions`` are ``[B, Q]``; ``features`` ``[B, C, n*H]`` are target
+        features at ``context_positions`` ``[B, C]`` (with a cache: only the new ones). ``mask``
+        is ``[B, Q, C + Q]`` or a BlockMask; None lets every slot see everything.
+        """
+        c = self.config
+        x = self.embed(block_ids)
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        rope_block = rotary(block_positions, c.head_dim, c.rope_theta)
+        rope_context = rotary(context_positions, c.head_dim, c.rope_theta)
+        for layer in self.layers:
+            x = layer(x, context, rope_block, rope_context, mask, cache)
+        return self.norm(x)

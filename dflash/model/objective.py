@@ -1,0 +1,131 @@
+"""The DFlash training objective on a micro-batch of rows.
+
+Each anchor ``p`` opens a block ``[input_ids[p], MASK x (bs-1)]``. Slot ``k`` is trained to
+predict ``input_ids[p + k]`` — the *same* position, no shift: slot 0 holds the anchor token itself
+and is excluded, and the context it sees stops strictly before ``p``. This is exactly what the
+drafter faces at inference; shifting the labels by one or letting the context reach ``p`` trains
+something else, and acceptance collapses to ~1 (SpecForge #455).
+Early slots matter most at inference (a rejection ends the block), hence the decay
+``w_k = exp(-(k-1)/gamma)``. Sums are returned, not means: the trainer divides by the weight sum
+over all ranks and micro-batches, so every token weighs the same whatever the batching.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from dflash.model.attention import build_attention_mask
+from dflash.model.drafter import DFlashDrafter
+
+
+class ObjectiveOutput(NamedTuple):
+    loss_sum: Tensor
+    """Scalar Σ w·CE, with gradient."""
+    weight_sum: Tensor
+    """Scalar Σ w over the counted labels."""
+    correct: Tensor
+    """``[bs]`` long: top-1 hits per block slot (slot 0 always 0)."""
+    counted: Tensor
+    """``[bs]`` long: labels counted per block slot (slot 0 always 0)."""
+
+
+def decay_weights(block_size: int, gamma: float) -> Tensor:
+    """``[bs]`` weights: 0 for slot 0 (the given anchor), ``exp(-(k-1)/gamma)`` for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float64)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights.float()
+
+
+def block_labels(
+    input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Labels ``[R, A, bs]`` (``input_ids[p + k]``) and where they count.
+
+    A label counts iff the anchor is real, ``k >= 1``, ``p + k`` is inside the row and in the
+    anchor's document, and the loss mask covers it.
+    """
+    T = input_ids.shape[1]
+    positions = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)
+    safe = positions.clamp(0, T - 1).flatten(1)
+
+    def gather(x: Tensor) -> Tensor:
+        return x.gather(1, safe).view(positions.shape)
+
+    anchor_doc = document_ids.gather(1, anchors.clamp(min=0))[:, :, None]
+    counts = (
+        (anchors[:, :, None] >= 0)
+        & (positions > anchors[:, :, None])
+        & (positions < T)
+        & (gather(document_ids) == anchor_doc)
+        & gather(loss_mask.bool())
+    )
+    return gather(input_ids), counts
+
+
+def _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, features) -> None:
+    shapes = {t.shape for t in (input_ids, loss_mask, document_ids, position_ids)}
+    if len(shapes) != 1 or input_ids.ndim != 2:
+        raise ValueError(
+            "input_ids, loss_mask, document_ids and position_ids must share one [R, T] shape, got "
+            f"{[tuple(t.shape) for t in (input_ids, loss_mask, document_ids, position_ids)]}"
+        )
+    if features.shape[:2] != input_ids.shape:
+        raise ValueError(f"features {tuple(features.shape)} do not match [R, T] {input_ids.shape}")
+    if anchors.ndim != 2 or anchors.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"anchors must be [R, A], got {tuple(anchors.shape)}")
+    T = input_ids.shape[1]
+    real = anchors >= 0
+    if (anchors < -1).any() or (anchors >= T).any():
+        raise ValueError(f"anchors must be -1 (none) or a position in [0, {T}), got {anchors}")
+    if (document_ids.gather(1, anchors.clamp(min=0))[real] < 0).any():
+        raise ValueError("an anchor points at padding (document id -1)")
+
+
+def dflash_objective(
+    drafter: DFlashDrafter,
+    features: Tensor,
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    document_ids: Tensor,
+    position_ids: Tensor,
+    anchors: Tensor,
+    gamma: float,
+    *,
+    flex: bool | None = None,
+) -> ObjectiveOutput:
+    """Decay-weighted block cross-entropy of ``R`` rows of ``T`` tokens with ``A`` anchors each.
+
+    ``flex`` forces FlexAttention (True) or SDPA (False); None picks FlexAttention on CUDA.
+    """
+    _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, features)
+    bs, T = drafter.config.block_size, input_ids.shape[1]
+    R, A = anchors.shape
+    slot = torch.arange(bs, device=anchors.device)
+    safe_anchor = anchors.clamp(min=0)
+
+    first = input_ids.gather(1, safe_anchor)[:, :, None]
+    block_ids = torch.where(slot == 0, first, drafter.config.mask_token_id)
+    block_positions = position_ids.gather(1, safe_anchor)[:, :, None] + slot
+    mask = build_attention_mask(anchors, document_ids, bs, T, flex)
+    hidden = drafter(
+        block_ids.flatten(1), block_positions.flatten(1), features, position_ids, mask
+    ).view(R, A, bs, -1)
+
+    labels, counts = block_labels(input_ids, loss_mask, document_ids, anchors, bs)
+    logits = drafter.logits(hidden[counts]).float()
+    target = labels[counts]
+    slots = slot.expand_as(labels)[counts]
+    weights = decay_weights(bs, gamma).to(logits.device)[slots]
+    loss_sum = (weights * F.cross_entropy(logits, target, reduction="none")).sum()
+    hits = logits.argmax(dim=-1) == target
+    return ObjectiveOutput(
+        loss_sum=loss_sum,
+        weight_sum=weights.sum(),
+        correct=torch.bincount(slots[hits], minlength=bs),
+        counted=torch.bincount(slots, minlength=bs),
+    )

@@ -1,0 +1,120 @@
+"""Speculative decoding is lossless, a trained drafter gets accepted, and export round-trips."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.features import target_features
+from dflash.model.generate import dflash_generate, greedy_generate
+from dflash.model.objective import dflash_objective
+
+BS = 4
+MASK = 299
+PROMPTS = [[5], [1, 2, 3], [40, 41, 42, 43, 44, 45], [7, 250, 7, 250, 7]]
+
+
+@pytest.fixture(scope="module")
+def target() -> Qwen3ForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=300, hidden_size=48, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                         intermediate_size=96)  # fmt: skip
+    return Qwen3ForCausalLM(config).eval()
+
+
+def new_drafter(target, seed: int = 0) -> DFlashDrafter:
+    return DFlashDrafter.from_target(
+        target, block_size=BS, num_hidden_layers=1, num_target_layers=3, mask_token_id=MASK,
+        seed=seed,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def overfit(target) -> tuple[DFlashDrafter, list[int], float]:
+    """A drafter trained on one of the target's own greedy continuations, and its accuracy."""
+    torch.manual_seed(0)
+    prompt = PROMPTS[1]
+    sequence = prompt + greedy_generate(target, prompt, 28)
+    T = len(sequence)
+    ids = torch.tensor([sequence])
+    pos = torch.arange(T)[None]
+    docs = torch.zeros(1, T, dtype=torch.long)
+    loss_mask = torch.ones(1, T, dtype=torch.long)
+    anchors = torch.arange(T - BS + 1)[None]
+    drafter = new_drafter(target)
+    features = target_features(target, ids, pos, docs, drafter.config.target_layer_ids)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(150):
+        out = dflash_objective(drafter, features, ids, loss_mask, docs, pos, anchors, 7.0)
+        optimizer.zero_grad()
+        (out.loss_sum / out.weight_sum).backward()
+        optimizer.step()
+    with torch.no_grad():
+        out = dflash_objective(drafter, features, ids, loss_mask, docs, pos, anchors, 7.0)
+    return drafter.eval(), prompt, float(out.correct.sum() / out.counted.sum())
+
+
+def test_tiny_drafter_overfits_one_sequence(overfit):
+    _, _, accuracy = overfit
+    assert accuracy > 0.9
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_random_drafter_is_lossless(target, prompt):
+    drafter = new_drafter(target, seed=len(prompt))
+    reference = greedy_generate(target, prompt, 24)
+    out = dflash_generate(target, drafter, prompt, 24)
+    assert out.tokens == reference
+    assert len(out.tokens) == 24 == 1 + sum(out.accepted)
+
+
+def test_overfit_drafter_is_lossless_and_accepted(target, overfit):
+    drafter, prompt, _ = overfit
+    for p in PROMPTS:
+        assert dflash_generate(target, drafter, p, 24).tokens == greedy_generate(target, p, 24)
+    out = dflash_generate(target, drafter, prompt, 24)
+    tau = sum(out.accepted) / len(out.accepted)
+    assert tau > 2.0, out.accepted  # training and inference agree on what a block sees
+
+
+def test_budget_and_stop_tokens(target):
+    drafter = new_drafter(target)
+    prompt = PROMPTS[2]
+    reference = greedy_generate(target, prompt, 30)
+    stop = reference[9]
+    first = reference.index(stop)
+    out = dflash_generate(target, drafter, prompt, 30, stop_token_ids=[stop])
+    assert out.tokens == reference[: first + 1]
+    assert greedy_generate(target, prompt, 30, [stop]) == out.tokens
+    for budget in (0, 1, 2, 5):
+        assert dflash_generate(target, drafter, prompt, budget).tokens == reference[:budget]
+
+
+def test_save_and_load_round_trip(target, overfit, tmp_path):
+    drafter, prompt, _ = overfit
+    drafter.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["block_size"] == BS and config["num_hidden_layers"] == 1
+    assert config["num_target_layers"] == 3
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 2, 3]}
+    loaded = DFlashDrafter.from_pretrained(tmp_path, target)
+    assert loaded.config == drafter.config
+    for (name, a), (_, b) in zip(
+        drafter.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert dflash_generate(target, loaded, prompt, 16) == dflash_generate(
+        target, drafter, prompt, 16
+    )
+
+
+def test_loading_against_the_wrong_target_is_refused(target, tmp_path):
+    new_drafter(target).save_pretrained(tmp_path)
+    other = Qwen3ForCausalLM(Qwen3Config(vocab_size=300, hidden_size=32, num_hidden_layers=6,
+                                         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(ValueError, match="hidden"):
+        DFlashDrafter.from_pretrained(tmp_path, other)
