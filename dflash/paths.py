@@ -24,6 +24,8 @@ TOKEN_INDEX = TOKENIZED / "index.parquet"
 
 STATS = Path("data/stats")
 PLANS = Path("data/plans")
+PLAN_METRICS = Path("metrics/plan.json")
+"""The flat overall figures of ``data/plans/summary.json``, for ``dvc exp show``."""
 
 DRAFTER = Path("models/drafter")
 CHECKPOINTS = Path("checkpoints")

@@ -1,0 +1,25 @@
+"""Errors of the batching library: each names the bad input, all are ``ValueError``s."""
+
+
+class BatchingError(ValueError):
+    """Base class: the lengths or params cannot give a valid plan."""
+
+
+class EmptyLengthsError(BatchingError):
+    """The lengths file holds no samples."""
+
+
+class SampleTooLongError(BatchingError):
+    """A sample is longer than ``max_seq_len``."""
+
+
+class BudgetTooSmallError(BatchingError):
+    """A single sample does not fit in ``token_budget``."""
+
+
+class TooFewMicroBatchesError(BatchingError):
+    """Too few samples for every rank to get ``grad_accum`` micro-batches in every step."""
+
+
+class InvalidPlanError(BatchingError):
+    """A plan on disk breaks one of its invariants (see ``dflash.batching.validate``)."""

@@ -1,0 +1,219 @@
+"""Stage ``plan``: per-epoch batch plans for the chosen strategy, and their figures.
+
+``plan_epoch`` is a pure function of (lengths, params, epoch): the generator of an epoch is
+``default_rng([seed, epoch])``, so the same inputs give byte-identical files anywhere and a
+resumed or re-planned run sees exactly the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dflash import paths
+from dflash.batching import io
+from dflash.batching.boundaries import METHODS, boundaries_by, explicit_boundaries
+from dflash.batching.distribute import distribute
+from dflash.batching.errors import BatchingError
+from dflash.batching.lengths import check_lengths, read_lengths
+from dflash.batching.metrics import epoch_metrics, overall
+from dflash.batching.strategies import STRATEGIES
+from dflash.batching.validate import validate_plans
+from dflash.config import Config
+
+"""The plan's figures as a DVC metrics file (outside ``data/plans``, which is an out)."""
+
+
+@dataclass(frozen=True)
+class PlanParams:
+    strategy: str
+    token_budget: int
+    max_seq_len: int
+    max_batch_size: int
+    world_size: int = 1
+    grad_accum: int = 1
+    seed: int = 0
+    boundaries: tuple[int, ...] | None = None
+    """Resolved bucket edges; only ``bucketed`` uses them."""
+
+
+def plan_epoch(lengths: np.ndarray, params: PlanParams, epoch: int) -> pa.Table:
+    """One epoch's plan table, rows in plan order (step, rank, micro, row, offset)."""
+    if params.strategy not in STRATEGIES:
+        raise BatchingError(f"strategy {params.strategy!r}: allowed are {', '.join(STRATEGIES)}")
+    for name in ("token_budget", "max_seq_len", "max_batch_size", "world_size", "grad_accum"):
+        if getattr(params, name) < 1:
+            raise BatchingError(f"{name} = {getattr(params, name)}: must be >= 1")
+    check_lengths(lengths, params.max_seq_len, params.token_budget)
+    rng = np.random.default_rng([params.seed, epoch])
+    layout = STRATEGIES[params.strategy](lengths, params, rng)
+    return distribute(layout, lengths, params.world_size, params.grad_accum, epoch, rng)
+
+
+def plan_meta(lengths: np.ndarray, params: PlanParams, epochs: int) -> dict[str, Any]:
+    """What a plan was made from; a trainer compares it with its own run before using it."""
+    meta = asdict(params)
+    meta["boundaries"] = list(params.boundaries) if params.boundaries is not None else None
+    return {
+        "lengths_sha256": io.lengths_fingerprint(lengths),
+        "n_samples": int(lengths.size),
+        **meta,
+        "epochs": epochs,
+    }
+
+
+def write_plans(
+    lengths: np.ndarray, params: PlanParams, epochs: int, out_dir: str | Path
+) -> dict[str, Any]:
+    """Write ``epoch_EEE.parquet`` for every epoch and ``summary.json``; return the summary."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = plan_meta(lengths, params, epochs)
+    per_epoch, previous = [], None
+    for epoch in range(epochs):
+        table = plan_epoch(lengths, params, epoch)
+        figures, previous = epoch_metrics(table, lengths.size, previous)
+        io.write_epoch(table, io.epoch_path(out_dir, epoch), meta)
+        per_epoch.append(figures)
+    planned = {io.epoch_path(out_dir, epoch) for epoch in range(epochs)}
+    for stale in set(out_dir.glob("epoch_*.parquet")) - planned:
+        stale.unlink()
+    summary = {**overall(per_epoch), "epochs": per_epoch, "meta": meta}
+    io.write_summary(summary, out_dir)
+    return summary
+
+
+def resolve_boundaries(
+    spec: str | list[int] | None,
+    lengths: np.ndarray,
+    num_buckets: int,
+    max_seq_len: int,
+    buckets_json: Path | None = None,
+) -> tuple[int, ...]:
+    """Edges from a method name (read from ``buckets_json`` if given, else computed) or a list."""
+    if isinstance(spec, list):
+        return tuple(explicit_boundaries(spec, lengths, max_seq_len))
+    method = spec or "optimal"
+    if method not in METHODS:
+        raise BatchingError(f"boundaries {method!r}: allowed are {', '.join(METHODS)} or a list")
+    if buckets_json is None:
+        return tuple(boundaries_by(method, lengths, num_buckets))
+    if not buckets_json.exists():
+        raise FileNotFoundError(f"{buckets_json} does not exist: run `dflash stats` first")
+    edges = json.loads(buckets_json.read_text())[method]["boundaries"]
+    if edges[-1] < int(lengths.max()):
+        raise BatchingError(
+            f"{buckets_json} ends at {edges[-1]} but a sample has {int(lengths.max())} tokens: "
+            "it was computed from other data; rerun `dflash stats`"
+        )
+    return tuple(edges)
+
+
+def params_from_config(config: Config, lengths: np.ndarray) -> PlanParams:
+    b = config.batching
+    boundaries = None
+    if b.strategy == "bucketed":
+        boundaries = resolve_boundaries(
+            b.boundaries,
+            lengths,
+            b.num_buckets,
+            config.data.max_seq_len,
+            buckets_json=paths.STATS / "buckets.json",
+        )
+    return PlanParams(
+        strategy=b.strategy,
+        token_budget=b.token_budget,
+        max_seq_len=config.data.max_seq_len,
+        max_batch_size=b.max_batch_size,
+        world_size=config.train.world_size,
+        grad_accum=config.train.grad_accum,
+        seed=b.seed,
+        boundaries=boundaries,
+    )
+
+
+def run(config: Config) -> None:
+    lengths = read_lengths(paths.TOKEN_INDEX)
+    summary = write_plans(
+        lengths, params_from_config(config, lengths), config.train.epochs, paths.PLANS
+    )
+    paths.PLAN_METRICS.parent.mkdir(parents=True, exist_ok=True)
+    figures = {k: v for k, v in summary.items() if k != "meta"}
+    paths.PLAN_METRICS.write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"[plan] {_headline(summary)}")
+
+
+def _headline(summary: dict[str, Any]) -> str:
+    keys = ("n_steps", "padding_efficiency", "rank_imbalance", "frozen_batch_fraction")
+    return ", ".join(
+        f"{k}={summary[k]:.4g}" if summary[k] is not None else f"{k}=n/a" for k in keys
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dflash.plan [...]`` plans a lengths file; ``... validate DIR`` checks one."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["validate"]:
+        return _validate_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m dflash.plan", description=main.__doc__)
+    parser.add_argument("--lengths", required=True, help="Parquet file with a 'length' column")
+    parser.add_argument("--strategy", required=True, choices=list(STRATEGIES))
+    parser.add_argument("--token-budget", type=int, required=True)
+    parser.add_argument("--max-seq-len", type=int, required=True)
+    parser.add_argument("--max-batch-size", type=int, required=True)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--boundaries", default="optimal", help="optimal | quantile | token_mass | b0,b1,..."
+    )
+    parser.add_argument("--num-buckets", type=int, default=6)
+    parser.add_argument("--out", required=True, help="directory for the epoch files")
+    args = parser.parse_args(argv)
+    try:
+        lengths = read_lengths(args.lengths)
+        params = PlanParams(
+            strategy=args.strategy,
+            token_budget=args.token_budget,
+            max_seq_len=args.max_seq_len,
+            max_batch_size=args.max_batch_size,
+            world_size=args.world_size,
+            grad_accum=args.grad_accum,
+            seed=args.seed,
+        )
+        if args.strategy == "bucketed":
+            spec = args.boundaries
+            if spec not in METHODS:
+                spec = [int(b) for b in spec.split(",")]
+            edges = resolve_boundaries(spec, lengths, args.num_buckets, args.max_seq_len)
+            params = replace(params, boundaries=edges)
+        summary = write_plans(lengths, params, args.epochs, args.out)
+    except (ValueError, OSError) as err:
+        print(f"dflash.plan: {err}", file=sys.stderr)
+        return 2
+    print(_headline(summary))
+    return 0
+
+
+def _validate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.plan validate", description="check every invariant of a plan"
+    )
+    parser.add_argument("plans_dir")
+    parser.add_argument("--lengths", required=True)
+    args = parser.parse_args(argv)
+    try:
+        summary = validate_plans(args.plans_dir, read_lengths(args.lengths))
+    except (ValueError, OSError) as err:
+        print(f"invalid plan: {err}", file=sys.stderr)
+        return 1
+    print(f"ok: {len(summary['epochs'])} epochs, {summary['n_steps']} steps, all invariants hold")
+    return 0
