@@ -9,7 +9,7 @@ import pytest
 
 from dflash import paths
 from dflash.batching import io
-from dflash.batching.plan import PLAN_METRICS
+from dflash.paths import PLAN_METRICS
 from dflash.batching.plan import run as plan_run
 from dflash.batching.stats import describe, main
 from dflash.batching.stats import run as stats_run
