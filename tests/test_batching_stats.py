@@ -9,12 +9,12 @@ import pytest
 
 from dflash import paths
 from dflash.batching import io
-from dflash.paths import PLAN_METRICS
 from dflash.batching.plan import run as plan_run
 from dflash.batching.stats import describe, main
 from dflash.batching.stats import run as stats_run
 from dflash.batching.validate import validate_plans
 from dflash.config import from_dict
+from dflash.paths import PLAN_METRICS
 
 
 def lengths_for_test(n: int = 3000) -> np.ndarray:
