@@ -1,0 +1,203 @@
+"""``dflash report``: one screen of what the pipeline did, read back from the stages' JSON files.
+
+Every stage already writes its figures; this gathers the ones a user checks first (what was
+dropped, padding, loss, acceptance, losslessness) so ``make repro`` ends with a summary. It reads
+whatever exists and never raises: a stage without output says how to run it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash import paths
+from dflash.config import Config
+
+REGENERATE_REPORT = paths.REGENERATED / "report.json"
+TOKENIZE_FILES = (paths.TOKENIZED / "tokenize_report.json", paths.TOKENIZED / "manifest.json")
+PLAN_SUMMARY = paths.PLANS / "summary.json"
+
+
+def read(root: Path, *rels: Path) -> dict | str:
+    """The JSON object at the first existing path, else why not ("" when none exists)."""
+    for rel in rels:
+        path = root / rel
+        if not path.exists():
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            return f"unreadable {rel}: {type(err).__name__}"
+        return data if isinstance(data, dict) else f"unreadable {rel}: not a JSON object"
+    return ""
+
+
+def num(value: Any, spec: str = ",") -> str:
+    """``value`` formatted by ``spec``, or ``n/a`` when a partial file lacks it."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "n/a"
+    return format(value, spec)
+
+
+def row(label: str, *cells: tuple[str, str]) -> str:
+    return (f"  {label:<11}" + "  ".join(f"{k:<15}{v:>10}" for k, v in cells)).rstrip()
+
+
+def reasons(counts: Any) -> str:
+    """Nonzero counts by reason, ``{reason: n}`` or ``{reason: {"count": n}}``."""
+    if not isinstance(counts, dict):
+        return ""
+    pairs = [(k, v.get("count") if isinstance(v, dict) else v) for k, v in counts.items()]
+    return ", ".join(f"{k} {n:,}" for k, n in pairs if isinstance(n, int) and n)
+
+
+def total(counts: Any) -> int | None:
+    if not isinstance(counts, dict):
+        return None
+    values = [v.get("count") if isinstance(v, dict) else v for v in counts.values()]
+    return sum(v for v in values if isinstance(v, int))
+
+
+def mismatch_flag(ev: dict) -> str | None:
+    """A loud line when speculative output ever differed from greedy: that is a bug, not noise."""
+    bad = ev.get("lossless_mismatches")
+    if isinstance(bad, int | float) and not isinstance(bad, bool) and bad != 0:
+        return (
+            f"!!! LOSSLESS CHECK FAILED: {bad} of {num(ev.get('n_prompts'))} prompts differ from "
+            "the target's greedy output (must be 0) !!!"
+        )
+    return None
+
+
+Cell = tuple[str, str, str]
+"""(shown name, JSON key, format spec; "s" for text) of one figure."""
+
+INGEST: list[list[Cell]] = [
+    [("read", "records_read", ","), ("train", "train", ","), ("heldout", "heldout", ",")],
+    [("skipped", "skipped_n", ","), ("duplicates", "duplicates", ","),
+     ("over max_conv", "left_out_by_max_conversations", ",")],
+]  # fmt: skip
+REGENERATE: list[list[Cell]] = [
+    [("turns", "turns_regenerated", ","), ("tokens", "tokens_generated", ","),
+     ("tokens/s", "rate", "s")],
+]  # fmt: skip
+TOKENIZE: list[list[Cell]] = [
+    [("samples", "n_samples", ","), ("tokens", "n_tokens", ","),
+     ("loss tokens", "n_loss_tokens", ",")],
+    [("read", "conversations_read", ","), ("truncated", "truncated", ","),
+     ("dropped", "dropped_n", ",")],
+]  # fmt: skip
+TARGET: list[list[Cell]] = [
+    [("mode", "mode", "s"), ("held-out loss", "heldout_loss", ".3f"),
+     ("perplexity", "heldout_perplexity", ".2f")],
+]  # fmt: skip
+BATCHING: list[list[Cell]] = [
+    [("strategy", "strategy", "s"), ("steps", "n_steps", ","),
+     ("micro-batches", "n_micro_batches", ",")],
+    [("padding eff.", "padding_efficiency", ".3f"), ("rank imbalance", "rank_imbalance", ".3f"),
+     ("frozen batches", "frozen_batch_fraction", ".3f")],
+    [("pair overlap", "pair_overlap", ".3f"), ("window KS", "window_ks", ".3f")],
+]  # fmt: skip
+TRAINING: list[list[Cell]] = [
+    [("final loss", "final_loss", ".3f"), ("accuracy", "final_accuracy", ".3f"),
+     ("steps", "steps", ",")],
+    [("tokens/s", "tokens_per_s", ",.0f"), ("padded tok/s", "padded_tokens_per_s", ",.0f"),
+     ("skipped steps", "skipped_steps", ",")],
+    [("data wait", "data_wait_fraction", ".1%"), ("world size", "world_size", ","),
+     ("seconds", "train_seconds", ",.0f")],
+]  # fmt: skip
+EVALUATION: list[list[Cell]] = [
+    [("tau (accept)", "acceptance_length", ".2f"), ("mismatches", "lossless_mismatches", ","),
+     ("speedup x", "speedup", ".2f")],
+    [("prompts", "n_prompts", ","), ("greedy tok/s", "greedy_tokens_per_s", ",.0f"),
+     ("dflash tok/s", "dflash_tokens_per_s", ",.0f")],
+]  # fmt: skip
+
+
+def grid(d: dict, rows: list[list[Cell]]) -> list[str]:
+    def show(key: str, spec: str) -> str:
+        value = d.get(key)
+        return (value if isinstance(value, str) else "n/a") if spec == "s" else num(value, spec)
+
+    return [row("", *((name, show(key, spec)) for name, key, spec in cells)) for cells in rows]
+
+
+def because(what: str, counts: Any) -> list[str]:
+    why = reasons(counts)
+    return [f"{'':13}{what}: {why}"] if why else []
+
+
+def as_dict(value: Any) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def ingest(d: dict) -> list[str]:
+    kept, dup = as_dict(d.get("kept")), as_dict(d.get("duplicates_removed"))
+    skipped_n = d.get("skipped_total", total(d.get("skipped")))
+    flat = {**d, **kept, "duplicates": dup.get("count"), "skipped_n": skipped_n}
+    return grid(flat, INGEST) + because("skipped", d.get("skipped"))
+
+
+def regenerate(d: dict) -> list[str]:
+    if d.get("skipped"):
+        return [row("", ("skipped", "yes")) + "  (data.regenerate: false)"]
+    rate = d.get("tokens_per_s")
+    rate = "cached" if rate is None and "tokens_per_s" in d else num(rate, ",.0f")
+    return grid({**d, "rate": rate}, REGENERATE)
+
+
+def tokenize(d: dict) -> list[str]:
+    flat = {**d, "dropped_n": total(d.get("dropped"))}
+    return grid(flat, TOKENIZE) + because("dropped", d.get("dropped"))
+
+
+def evaluation(d: dict) -> list[str]:
+    out = grid(d, EVALUATION)
+    per = d.get("per_position_acceptance")
+    per = [p for p in per if isinstance(p, int | float)] if isinstance(per, list) else []
+    if per:
+        out.append(f"{'':13}{'accepted % k=1..':<17}" + " ".join(f"{100 * p:.0f}" for p in per))
+    flag = mismatch_flag(d)
+    return out + ([f"  {flag}"] if flag else [])
+
+
+def section(label: str, stage: str, data: dict | str, lines: Any) -> list[str]:
+    """``lines(data)`` under ``label``, or why there is nothing to show."""
+    if isinstance(data, str):
+        return [f"  {label:<11}" + (data or f"not run yet (dvc repro {stage})")]
+    out = lines(data) if callable(lines) else grid(data, lines)
+    return [f"  {label:<11}{out[0][13:]}", *out[1:]]
+
+
+def render_report(root: Path) -> str:
+    """The report for the pipeline outputs under ``root`` (the directory ``dvc repro`` ran in)."""
+    plan = read(root, paths.PLAN_METRICS, PLAN_SUMMARY)
+    summary = read(root, PLAN_SUMMARY)
+    meta = summary.get("meta") if isinstance(summary, dict) else None
+    if isinstance(plan, dict) and isinstance(meta, dict):
+        plan = {"strategy": meta.get("strategy"), **plan}
+    tok = [d for d in (read(root, rel) for rel in TOKENIZE_FILES) if isinstance(d, dict)]
+    ev = read(root, paths.EVAL_METRICS)
+    flag = mismatch_flag(ev) if isinstance(ev, dict) else None
+    lines = ["dflash report", *([flag] if flag else []), ""]
+    lines += section("ingest", "ingest", read(root, paths.INGEST_REPORT), ingest)
+    lines += section("regenerate", "regenerate", read(root, REGENERATE_REPORT), regenerate)
+    tok_data = {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
+    lines += section("tokenize", "tokenize", tok_data, tokenize)
+    lines += ["", *section("target", "target", read(root, paths.TARGET_METRICS), TARGET)]
+    lines += ["", *section("batching", "plan", plan, BATCHING)]
+    lines += ["", *section("training", "train", read(root, paths.TRAIN_METRICS), TRAINING)]
+    lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
+    return "\n".join(lines) + "\n"
+
+
+def run(config: Config) -> int:
+    """Print the report for the working directory; exit 1 when decoding was not lossless.
+
+    The config is unused: every figure is read back from disk.
+    """
+    print(render_report(Path.cwd()), end="")
+    evaluation = read(Path.cwd(), paths.EVAL_METRICS)
+    mismatches = evaluation.get("lossless_mismatches", 0) if isinstance(evaluation, dict) else 0
+    return 1 if mismatches else 0

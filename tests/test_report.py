@@ -1,0 +1,126 @@
+"""``dflash report`` reads whatever the stages left and never raises on missing or partial files."""
+
+import json
+from pathlib import Path
+
+from dflash.report import render_report
+
+FILES = {
+    "data/ingested/ingest_report.json": {
+        "records_read": 2000,
+        "kept": {"train": 1890, "heldout": 98},
+        "skipped": {
+            "invalid_json": {"count": 3, "first_lines": [4]},
+            "empty_content": {"count": 0},
+        },
+        "skipped_total": 3,
+        "duplicates_removed": {"count": 9, "first_lines": []},
+        "left_out_by_max_conversations": 0,
+    },
+    "data/regenerated/report.json": {
+        "skipped": False,
+        "turns_regenerated": 4321,
+        "tokens_generated": 98765,
+        "tokens_per_s": 1234.5,
+    },
+    "data/tokenized/manifest.json": {
+        "n_samples": 1870,
+        "n_tokens": 456789,
+        "n_loss_tokens": 200000,
+        "conversations_read": 1890,
+        "truncated": 17,
+        "dropped": {"overlength": 0, "too_few_loss_tokens": 20},
+    },
+    "data/tokenized/tokenize_report.json": {"n_samples": 1870, "length": {"p50": 200}},
+    "metrics/target.json": {
+        "mode": "pretrained",
+        "heldout_loss": 3.2101,
+        "heldout_perplexity": 24.78,
+    },
+    "data/plans/summary.json": {"meta": {"strategy": "bucketed"}, "n_steps": 1},
+    "metrics/plan.json": {
+        "n_steps": 120,
+        "n_micro_batches": 240,
+        "padding_efficiency": 0.9123,
+        "rank_imbalance": 0.031,
+        "frozen_batch_fraction": 0.0,
+        "pair_overlap": 0.012,
+        "window_ks": 0.05,
+        "epochs": [{"epoch": 0}],
+    },
+    "metrics/train.json": {
+        "final_loss": 2.345,
+        "final_accuracy": 0.4567,
+        "tokens_per_s": 54321.0,
+        "padded_tokens_per_s": 60000.0,
+        "data_wait_fraction": 0.021,
+        "steps": 720,
+        "skipped_steps": 0,
+        "world_size": 2,
+        "train_seconds": 300.0,
+    },
+    "metrics/eval.json": {
+        "acceptance_length": 3.456,
+        "per_position_acceptance": [0.9, 0.75, 0.5],
+        "lossless_mismatches": 0,
+        "n_prompts": 20,
+        "greedy_tokens_per_s": 100.0,
+        "dflash_tokens_per_s": 250.0,
+        "speedup": 2.5,
+    },
+}
+
+
+def write(root: Path, files: dict) -> None:
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def test_empty_directory_says_what_to_run(tmp_path):
+    text = render_report(tmp_path)
+    for stage in ("ingest", "regenerate", "tokenize", "target", "plan", "train", "evaluate"):
+        assert f"not run yet (dvc repro {stage})" in text
+    assert "LOSSLESS" not in text
+
+
+def test_full_run_shows_key_figures(tmp_path):
+    write(tmp_path, FILES)
+    text = render_report(tmp_path)
+    assert "not run yet" not in text and "n/a" not in text
+    for figure in ("2,000", "1,890", "invalid_json 3", "4,321", "1,234", "456,789"):
+        assert figure in text
+    for figure in ("too_few_loss_tokens 20", "3.210", "24.78", "bucketed", "0.912", "120"):
+        assert figure in text
+    for figure in ("2.345", "54,321", "2.1%", "720", "3.46", "2.50", "90 75 50"):
+        assert figure in text
+    assert "empty_content" not in text  # zero counts stay off the screen
+    assert "LOSSLESS" not in text
+    assert len(text.splitlines()) <= 40
+    assert max(map(len, text.splitlines())) <= 100
+
+
+def test_nonzero_mismatches_are_flagged(tmp_path):
+    write(tmp_path, {"metrics/eval.json": {**FILES["metrics/eval.json"], "lossless_mismatches": 3}})
+    text = render_report(tmp_path)
+    assert text.count("LOSSLESS CHECK FAILED: 3 of 20") == 2  # top of the screen and its section
+
+
+def test_partial_and_broken_files_do_not_raise(tmp_path):
+    write(
+        tmp_path,
+        {
+            "metrics/train.json": {"final_loss": None, "steps": "many"},
+            "metrics/eval.json": "{not json",
+            "data/ingested/ingest_report.json": {"kept": [], "skipped": 5},
+            "data/regenerated/report.json": {"skipped": True, "conversations": 10},
+            "data/plans/summary.json": {"meta": {"strategy": "packed"}, "padding_efficiency": 0.99},
+            "metrics/target.json": [1, 2],
+        },
+    )
+    text = render_report(tmp_path)
+    assert "unreadable metrics/eval.json" in text
+    assert "unreadable metrics/target.json" in text
+    assert "packed" in text and "0.990" in text  # plan falls back to data/plans/summary.json
+    assert "skipped" in text and "n/a" in text
