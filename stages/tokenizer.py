@@ -1,8 +1,13 @@
-"""DVC stage `tokenizer`: see dflash.cli.STAGES for the library function it calls."""
+"""DVC stage `tokenizer`: parses --params/--set and calls the library (see dflash.cli.STAGES)."""
 
+import os
 import sys
 
-from dflash.cli import stage_main
+# Python puts this folder first on sys.path, where tokenize.py would shadow the standard
+# library module of that name; the stage scripts import nothing from here.
+sys.path = [p for p in sys.path if os.path.abspath(p) != os.path.dirname(os.path.abspath(__file__))]
+
+from dflash.cli import stage_main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(stage_main("tokenizer"))

@@ -1,0 +1,165 @@
+"""Micro-batch tensors built from plan rows and the token store, in DataLoader workers.
+
+A plan row lists the documents sharing one row of a micro-batch as ``(sample_id, offset,
+length)``; padded rows hold one document at offset 0, packed rows several. Anchors are drawn
+here, per document, from a generator seeded by ``(seed, epoch, sample_id)``: re-drawn every
+epoch, and the same whatever the world size or the point a run resumed from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from dflash.data.store import TokenStore
+from dflash.model.anchors import sample_anchors
+
+Row = list[tuple[int, int, int]]
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [R, T] long, 0 on padding
+    loss_mask: torch.Tensor  # [R, T] bool
+    document_ids: torch.Tensor  # [R, T] long, -1 on padding
+    position_ids: torch.Tensor  # [R, T] long, position inside the document
+    anchors: torch.Tensor  # [R, A] long, position in the row, -1 = none
+    weight_sum: float  # Σ loss weights of this micro-batch, known before the forward
+    real_tokens: int
+    padded_tokens: int
+    n_samples: int
+
+    def pin_memory(self) -> MicroBatch:
+        return self._map(lambda t: t.pin_memory())
+
+    def to(self, device: torch.device) -> MicroBatch:
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def _map(self, fn) -> MicroBatch:
+        values = {
+            f.name: fn(v) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
+            for f in fields(self)
+        }
+        return MicroBatch(**values)
+
+
+def slot_weights(block_size: int, gamma: float) -> np.ndarray:
+    """``w_k = exp(-(k-1)/gamma)`` for slots 1..bs-1; slot 0 (the anchor itself) weighs 0."""
+    k = np.arange(block_size, dtype=np.float64)
+    w = np.exp(-(k - 1.0) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def build_micro_batch(
+    store: TokenStore,
+    rows: list[Row],
+    *,
+    block_size: int,
+    anchors_per_sequence: int,
+    gamma: float,
+    seed: int,
+    epoch: int,
+) -> MicroBatch:
+    width = max(sum(length for _, _, length in row) for row in rows)
+    n_rows = len(rows)
+    input_ids = np.zeros((n_rows, width), dtype=np.int64)
+    loss_mask = np.zeros((n_rows, width), dtype=bool)
+    document_ids = np.full((n_rows, width), -1, dtype=np.int64)
+    position_ids = np.zeros((n_rows, width), dtype=np.int64)
+    row_anchors: list[np.ndarray] = []
+    weights = slot_weights(block_size, gamma)
+    weight_sum = 0.0
+    real_tokens = 0
+    for r, row in enumerate(rows):
+        anchors = []
+        for doc, (sample_id, offset, length) in enumerate(row):
+            ids, mask = store[sample_id]
+            if len(ids) != length:
+                raise ValueError(
+                    f"plan says sample {sample_id} has {length} tokens, the token store has "
+                    f"{len(ids)}: the plan was made from other tokenized data"
+                )
+            span = slice(offset, offset + length)
+            input_ids[r, span] = ids
+            loss_mask[r, span] = mask.astype(bool)
+            document_ids[r, span] = doc
+            position_ids[r, span] = np.arange(length)
+            rng = np.random.default_rng([seed, epoch, sample_id])
+            picked = sample_anchors(mask, block_size, anchors_per_sequence, rng)
+            # The weights the objective will give these anchors' labels (same-position,
+            # slot 0 excluded, masked by the loss mask); anchors never cross the document end.
+            windows = mask.astype(np.float64)[picked[:, None] + np.arange(block_size)]
+            weight_sum += float((windows * weights).sum())
+            anchors.append(picked + offset)
+            real_tokens += length
+        row_anchors.append(np.concatenate(anchors) if anchors else np.zeros(0, np.int64))
+    n_anchors = max(1, max(len(a) for a in row_anchors))
+    anchor_tensor = np.full((n_rows, n_anchors), -1, dtype=np.int64)
+    for r, a in enumerate(row_anchors):
+        anchor_tensor[r, : len(a)] = a
+    return MicroBatch(
+        input_ids=torch.from_numpy(input_ids),
+        loss_mask=torch.from_numpy(loss_mask),
+        document_ids=torch.from_numpy(document_ids),
+        position_ids=torch.from_numpy(position_ids),
+        anchors=torch.from_numpy(anchor_tensor),
+        weight_sum=weight_sum,
+        real_tokens=real_tokens,
+        padded_tokens=n_rows * width,
+        n_samples=sum(len(row) for row in rows),
+    )
+
+
+class StepDataset(torch.utils.data.Dataset):
+    """Item ``i`` = the ``grad_accum`` micro-batches of this rank's step ``first_step + i``."""
+
+    def __init__(
+        self,
+        store: TokenStore,
+        steps: list[list[list[Row]]],
+        *,
+        first_step: int,
+        block_size: int,
+        anchors_per_sequence: int,
+        gamma: float,
+        seed: int,
+        epoch: int,
+    ) -> None:
+        self.store = store
+        self.steps = steps
+        self.first_step = first_step
+        self.kwargs = dict(
+            block_size=block_size,
+            anchors_per_sequence=anchors_per_sequence,
+            gamma=gamma,
+            seed=seed,
+            epoch=epoch,
+        )
+
+    def __len__(self) -> int:
+        return len(self.steps) - self.first_step
+
+    def __getitem__(self, i: int) -> list[MicroBatch]:
+        micro_batches = self.steps[self.first_step + i]
+        return [build_micro_batch(self.store, rows, **self.kwargs) for rows in micro_batches]
+
+
+def make_loader(dataset: StepDataset, num_workers: int, prefetch: int, pin_memory: bool):
+    """A DataLoader that prepares whole steps ahead of compute in background workers.
+
+    An exception in a worker is re-raised in the training process by the DataLoader, so the
+    run stops with it (and ``torchrun`` stops the other ranks) instead of waiting forever.
+    """
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=None,
+        shuffle=False,
+        num_workers=num_workers,
+        prefetch_factor=prefetch if num_workers > 0 else None,
+        pin_memory=pin_memory,
+        collate_fn=None,
+        timeout=0,
+    )

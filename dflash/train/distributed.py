@@ -1,0 +1,77 @@
+"""Process-group setup for ``torchrun``: gloo on CPU, NCCL on CUDA, one process = one rank.
+
+Outside ``torchrun`` (no ``RANK`` in the environment) training runs as a single rank without
+a process group, so tests and notebooks need no launcher.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(timeout_s: float = 600.0) -> Dist:
+    """Join the process group ``torchrun`` describes in the environment (or none)."""
+    if not launched_by_torchrun():
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return Dist(rank=0, world_size=1, local_rank=0, device=device)
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def shutdown(ctx: Dist) -> None:
+    if ctx.enabled:
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(ctx: Dist, values: torch.Tensor) -> torch.Tensor:
+    """Sum a float64 tensor over ranks (float64: the global loss-weight sum must not drift)."""
+    if ctx.enabled:
+        values = values.to(ctx.device)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values.cpu()
+
+
+def all_reduce_max(ctx: Dist, values: torch.Tensor) -> torch.Tensor:
+    if ctx.enabled:
+        values = values.to(ctx.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.cpu()
+
+
+def barrier(ctx: Dist) -> None:
+    if ctx.enabled:
+        dist.barrier()

@@ -1,0 +1,50 @@
+"""Refuse a plan that does not describe this run: other data, other world size, other params.
+
+Training on a stale plan would silently skip or repeat samples, so every difference is named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.batching.io import lengths_fingerprint
+from dflash.config import Config
+from dflash.data.store import TokenStore
+
+
+class StalePlanError(RuntimeError):
+    pass
+
+
+def check_plan(plan: dict[str, Any], store: TokenStore, config: Config, world_size: int) -> None:
+    meta = plan["meta"]
+    expected = {
+        "lengths_sha256": lengths_fingerprint(store.lengths),
+        "n_samples": len(store),
+        "world_size": config.train.world_size,
+        "grad_accum": config.train.grad_accum,
+        "strategy": config.batching.strategy,
+        "token_budget": config.batching.token_budget,
+        "max_batch_size": config.batching.max_batch_size,
+        "max_seq_len": config.data.max_seq_len,
+        "seed": config.batching.seed,
+    }
+    problems = [
+        f"{key}: plan has {meta.get(key)!r}, this run needs {value!r}"
+        for key, value in expected.items()
+        if meta.get(key) != value
+    ]
+    if world_size != config.train.world_size:
+        problems.append(
+            f"launched with {world_size} processes but train.world_size = {config.train.world_size}"
+        )
+    if meta.get("epochs", 0) < config.train.epochs:
+        problems.append(
+            f"plan covers {meta.get('epochs')} epochs, train.epochs = {config.train.epochs}"
+        )
+    if problems:
+        hint = "the token store changed" if "lengths_sha256" in problems[0] else "params changed"
+        raise StalePlanError(
+            f"stale plan in data/plans ({hint}); rerun `dvc repro plan` (or `dflash plan`):\n  "
+            + "\n  ".join(problems)
+        )

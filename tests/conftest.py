@@ -1,0 +1,112 @@
+"""Shared fixtures: a tiny pipeline workspace built in code (corpus → … → plans).
+
+The workspace is built once per test session by running the real stage functions with tiny
+params, then copied per test, so training and evaluation tests start from real artefacts in
+seconds instead of rebuilding them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from dflash.cli import resolve
+from dflash.config import load_config
+
+torch.set_num_threads(1)
+
+TINY_PARAMS = {
+    "data": {
+        "source": "corpus.jsonl",
+        "eval_fraction": 0.1,
+        "max_seq_len": 96,
+        "max_conversations": None,
+        "regenerate": False,
+    },
+    "tokenizer": {"vocab_size": 320},
+    "target": {
+        "num_hidden_layers": 6,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "pretrain_epochs": 1,
+        "pretrain_batch_tokens": 2048,
+    },
+    "drafter": {
+        "block_size": 4,
+        "num_hidden_layers": 1,
+        "num_target_layers": 2,
+        "anchors_per_sequence": 6,
+    },
+    "batching": {"strategy": "shuffle", "token_budget": 384, "max_batch_size": 8, "num_buckets": 2},
+    "train": {"epochs": 2, "world_size": 2, "checkpoint_every": 2, "num_workers": 0, "lr": 3.0e-3},
+    "evaluate": {"num_prompts": 4, "max_new_tokens": 12},
+    "logging": {"wandb": "disabled", "every": 1},
+}
+
+DATA_STAGES = ["ingest", "tokenizer", "target", "regenerate", "tokenize", "stats", "plan"]
+
+WORDS = "the cat dog sat ran on a mat log hat big small red blue fast slow".split()
+
+
+def tiny_corpus(n: int = 120) -> list[dict]:
+    """Short, regular conversations: learnable in seconds by tiny models."""
+    rows = []
+    for i in range(n):
+        a, b, c = WORDS[i % 16], WORDS[(i * 3) % 16], WORDS[(i * 7) % 16]
+        turns = 1 + i % 3
+        messages = []
+        for t in range(turns):
+            messages.append(
+                {"role": "user", "content": f"tell me about the {a} {b} number {i} {t}"}
+            )
+            messages.append(
+                {
+                    "role": "assistant",
+                    "content": f"the {a} {b} sat on the {c} mat and the {b} ran {t}",
+                }
+            )
+        rows.append({"id": f"conv-{i}", "messages": messages})
+    return rows
+
+
+def write_workspace_inputs(directory: Path, params: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "corpus.jsonl", "w") as f:
+        for row in tiny_corpus():
+            f.write(json.dumps(row) + "\n")
+    (directory / "params.yaml").write_text(yaml.safe_dump(params))
+
+
+def run_stages(directory: Path, stages: list[str], overrides: list[str] = ()) -> None:
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        config = load_config("params.yaml", list(overrides))
+        for stage in stages:
+            resolve(stage)(config)
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture(scope="session")
+def tiny_workspace_template(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("workspace")
+    write_workspace_inputs(directory, TINY_PARAMS)
+    run_stages(directory, DATA_STAGES)
+    return directory
+
+
+@pytest.fixture
+def tiny_workspace(tiny_workspace_template, tmp_path) -> Path:
+    """A private copy of the prepared workspace (tests may train, resume and corrupt it)."""
+    directory = tmp_path / "ws"
+    shutil.copytree(tiny_workspace_template, directory)
+    return directory

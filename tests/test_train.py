@@ -1,0 +1,216 @@
+"""Training stage: plan-driven micro-batches, global loss normalisation, exact resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.batching.io import read_plan_meta, read_rank_plan
+from dflash.config import load_config
+from dflash.data.store import TokenStore
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.features import target_features
+from dflash.model.objective import dflash_objective
+from dflash.model.target import load_target
+from dflash.train.batches import build_micro_batch
+from dflash.train.plan_check import StalePlanError, check_plan
+
+from conftest import run_stages
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(workspace: Path, *overrides: str, **kwargs) -> subprocess.Popen:
+    args = [f"--set={o}" for o in overrides]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += [str(Path(__file__).resolve().parents[1] / "stages" / "train.py"), *args]
+    return subprocess.Popen(
+        cmd,
+        cwd=workspace,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the torchrun agent and its workers at once, like a crashed machine."""
+    parent = psutil.Process(pid)
+    for process in [parent, *parent.children(recursive=True)]:
+        process.send_signal(signal.SIGKILL)
+
+
+def final_weights(workspace: Path) -> dict[str, torch.Tensor]:
+    return load_file(workspace / "models/drafter/model.safetensors")
+
+
+def test_micro_batch_weight_sum_matches_objective(tiny_workspace):
+    config = load_config(tiny_workspace / "params.yaml")
+    os.chdir(tiny_workspace)
+    store = TokenStore("data/tokenized")
+    steps = read_rank_plan(Path("data/plans/epoch_000.parquet"), 0)
+    target = load_target(Path("models/target"))
+    drafter = DFlashDrafter.from_target(
+        target, block_size=4, num_hidden_layers=1, num_target_layers=2, mask_token_id=3
+    )
+    d = config.drafter
+    mb = build_micro_batch(
+        store,
+        steps[0][0],
+        block_size=d.block_size,
+        anchors_per_sequence=d.anchors_per_sequence,
+        gamma=d.gamma,
+        seed=0,
+        epoch=0,
+    )
+    assert mb.real_tokens == sum(length for row in steps[0][0] for _, _, length in row)
+    features = target_features(
+        target, mb.input_ids, mb.position_ids, mb.document_ids, drafter.config.target_layer_ids
+    )
+    out = dflash_objective(
+        drafter,
+        features,
+        mb.input_ids,
+        mb.loss_mask,
+        mb.document_ids,
+        mb.position_ids,
+        mb.anchors,
+        d.gamma,
+    )
+    assert out.weight_sum.item() == pytest.approx(mb.weight_sum, rel=1e-6)
+
+
+def test_anchors_redrawn_each_epoch_and_independent_of_rank(tiny_workspace):
+    os.chdir(tiny_workspace)
+    store = TokenStore("data/tokenized")
+    row = [[(0, 0, int(store.lengths[0]))]]
+    kw = dict(block_size=4, anchors_per_sequence=3, gamma=7.0, seed=0)
+    a0 = build_micro_batch(store, row, epoch=0, **kw).anchors
+    assert torch.equal(a0, build_micro_batch(store, row, epoch=0, **kw).anchors)
+    draws = {
+        tuple(build_micro_batch(store, row, epoch=e, **kw).anchors[0].tolist()) for e in range(6)
+    }
+    assert len(draws) > 1
+
+
+def test_stale_plan_is_refused_with_what_differs(tiny_workspace):
+    os.chdir(tiny_workspace)
+    store = TokenStore("data/tokenized")
+    meta = read_plan_meta(Path("data/plans"))
+    config = load_config("params.yaml", ["train.world_size=4", "batching.token_budget=999"])
+    with pytest.raises(StalePlanError) as err:
+        check_plan(meta, store, config, world_size=4)
+    assert "world_size: plan has 2, this run needs 4" in str(err.value)
+    assert "token_budget" in str(err.value)
+    check_plan(meta, store, load_config("params.yaml"), world_size=2)
+
+
+def test_single_process_run_writes_metrics_plots_and_drafter(tiny_workspace):
+    run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
+    metrics = json.loads((tiny_workspace / "metrics/train.json").read_text())
+    for key in ("final_loss", "tokens_per_s", "padded_tokens_per_s", "padding_efficiency", "steps"):
+        assert key in metrics
+    plan = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
+    assert metrics["steps"] == plan["n_steps"]
+    assert metrics["padding_efficiency"] == pytest.approx(plan["padding_efficiency"], rel=1e-6)
+    rows = list(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))
+    assert len(rows) == metrics["steps"]
+    config = json.loads((tiny_workspace / "models/drafter/config.json").read_text())
+    assert config["block_size"] == 4 and "target_layer_ids" in config["dflash_config"]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_on_the_first_step(tiny_workspace, tmp_path):
+    """Same micro-batches in step 0 (2 ranks × 1 vs 1 rank × 2 accumulated) → same loss."""
+    run_stages(tiny_workspace, ["plan"])
+    two = read_rank_plan(tiny_workspace / "data/plans/epoch_000.parquet", 0)[0]
+    two += read_rank_plan(tiny_workspace / "data/plans/epoch_000.parquet", 1)[0]
+    proc = torchrun(tiny_workspace, "train.epochs=1")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    loss_two = float(next(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))["loss"])
+
+    single = ["train.world_size=1", "train.grad_accum=2", "train.epochs=1"]
+    run_stages(tiny_workspace, ["plan"], single)
+    one = read_rank_plan(tiny_workspace / "data/plans/epoch_000.parquet", 0)[0]
+    as_set = lambda mbs: sorted(sorted(s for row in mb for s, _, _ in row) for mb in mbs)  # noqa: E731
+    assert as_set(one) == as_set(two), "planner placed different micro-batches in step 0"
+    run_stages(tiny_workspace, ["train"], single)
+    loss_one = float(next(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))["loss"])
+    assert loss_one == pytest.approx(loss_two, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_gives_identical_weights(tiny_workspace, tmp_path):
+    reference = tmp_path / "reference"
+    os.system(f"cp -r {tiny_workspace} {reference}")
+    proc = torchrun(reference, "train.checkpoint_every=1")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+
+    proc = torchrun(tiny_workspace, "train.checkpoint_every=1")
+    ckpt = tiny_workspace / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (ckpt / "step_00000003.pt.sha256").exists():
+        time.sleep(0.005)
+    kill_tree(proc.pid)
+    proc.communicate()
+    assert not (tiny_workspace / "models/drafter").exists(), "run finished before it was killed"
+    steps_done = max(int(p.name[5:13]) for p in ckpt.glob("step_*.pt"))
+    plan = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
+    assert steps_done < plan["n_steps"]
+
+    proc = torchrun(tiny_workspace, "train.checkpoint_every=1")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    assert "resumed at" in out
+    a, b = final_weights(reference), final_weights(tiny_workspace)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tiny_workspace):
+    from dflash.train import checkpoint
+
+    directory = tiny_workspace / "checkpoints"
+    for step in (1, 2):
+        checkpoint.save_checkpoint(directory, step, {"fingerprint": "f", "step": step}, keep=3)
+    newest = checkpoint.checkpoint_path(directory, 2)
+    newest.write_bytes(newest.read_bytes()[:50])
+    state, skipped = checkpoint.load_latest(directory, "f")
+    assert state["step"] == 1
+    assert "digest mismatch" in skipped[0]
+    state, skipped = checkpoint.load_latest(directory, "other-run")
+    assert state is None and len(skipped) == 2
+
+
+@pytest.mark.slow
+def test_data_worker_error_stops_the_run_quickly(tiny_workspace):
+    plan = tiny_workspace / "data/plans/epoch_000.parquet"
+    table = pq.read_table(plan)
+    lengths = table.column("length").to_pylist()
+    lengths[-1] += 1
+    broken = table.set_column(table.schema.get_field_index("length"), "length", [lengths])
+    pq.write_table(broken.replace_schema_metadata(table.schema.metadata), plan)
+    start = time.time()
+    proc = torchrun(tiny_workspace, "train.num_workers=1")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "the plan was made from other tokenized data" in out
+    assert time.time() - start < 120
