@@ -15,6 +15,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import run_stages
 from safetensors.torch import load_file
 
 from dflash.batching.io import read_plan_meta, read_rank_plan
@@ -26,8 +27,6 @@ from dflash.model.objective import dflash_objective
 from dflash.model.target import load_target
 from dflash.train.batches import build_micro_batch
 from dflash.train.plan_check import StalePlanError, check_plan
-
-from conftest import run_stages
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
