@@ -1,0 +1,1 @@
+"""Evaluation of a trained drafter by real speculative decoding against its target."""
