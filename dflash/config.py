@@ -68,8 +68,8 @@ class TargetConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     pretrain_epochs: int = 2
-    pretrain_lr: float = 3.0e-3
-    pretrain_batch_tokens: int = 16384
+    pretrain_lr: float = 1.0e-2
+    pretrain_batch_tokens: int = 4096
     seed: int = 0
 
     def validate(self) -> None:
@@ -92,9 +92,9 @@ class TargetConfig:
 class RegenerateConfig:
     temperature: float = 0.0
     """0 = greedy, as DFlash trains on the target's own greedy outputs."""
-    max_new_tokens: int = 96
-    batch_size: int = 64
-    shard_size: int = 512
+    max_new_tokens: int = 48
+    batch_size: int = 32
+    shard_size: int = 256
     """Conversations per written shard; an interrupted run resumes at the next shard."""
     seed: int = 0
 
@@ -178,7 +178,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class EvaluateConfig:
     num_prompts: int = 64
-    max_new_tokens: int = 96
+    max_new_tokens: int = 48
     seed: int = 0
 
     def validate(self) -> None:

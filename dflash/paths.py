@@ -18,9 +18,14 @@ TARGET_METRICS = Path("metrics/target.json")
 
 REGENERATED = Path("data/regenerated")
 REGENERATED_CONVERSATIONS = REGENERATED / "conversations.parquet"
+REGENERATED_SHARDS = REGENERATED / "shards"
+"""Persisted between runs (``persist: true``) so an interrupted regeneration resumes."""
+REGENERATE_REPORT = REGENERATED / "report.json"
 
 TOKENIZED = Path("data/tokenized")
 TOKEN_INDEX = TOKENIZED / "index.parquet"
+TOKENIZE_REPORT = TOKENIZED / "tokenize_report.json"
+TOKEN_MANIFEST = TOKENIZED / "manifest.json"
 
 STATS = Path("data/stats")
 PLANS = Path("data/plans")

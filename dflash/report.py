@@ -14,8 +14,7 @@ from typing import Any
 from dflash import paths
 from dflash.config import Config
 
-REGENERATE_REPORT = paths.REGENERATED / "report.json"
-TOKENIZE_FILES = (paths.TOKENIZED / "tokenize_report.json", paths.TOKENIZED / "manifest.json")
+TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
 PLAN_SUMMARY = paths.PLANS / "summary.json"
 
 
@@ -182,7 +181,7 @@ def render_report(root: Path) -> str:
     flag = mismatch_flag(ev) if isinstance(ev, dict) else None
     lines = ["dflash report", *([flag] if flag else []), ""]
     lines += section("ingest", "ingest", read(root, paths.INGEST_REPORT), ingest)
-    lines += section("regenerate", "regenerate", read(root, REGENERATE_REPORT), regenerate)
+    lines += section("regenerate", "regenerate", read(root, paths.REGENERATE_REPORT), regenerate)
     tok_data = {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
     lines += section("tokenize", "tokenize", tok_data, tokenize)
     lines += ["", *section("target", "target", read(root, paths.TARGET_METRICS), TARGET)]

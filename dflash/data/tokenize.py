@@ -122,7 +122,7 @@ def run(config: Config) -> None:
     )
     store = TokenStore(paths.TOKENIZED)
     report = {**manifest, "length": length_summary(store.lengths)}
-    (paths.TOKENIZED / "tokenize_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    paths.TOKENIZE_REPORT.write_text(json.dumps(report, indent=2) + "\n")
     print(
         f"tokenize: {manifest['n_samples']} samples, {manifest['n_tokens']} tokens "
         f"({manifest['n_loss_tokens']} with loss), truncated {manifest['truncated']}, "

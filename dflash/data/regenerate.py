@@ -1,0 +1,308 @@
+"""The regenerate stage: replace every assistant turn with the target's own response.
+
+DFlash's drafter learns to predict what the target would say, so it trains on the target's
+outputs rather than on the human-written replies. Turn by turn, each assistant message is
+regenerated from the conversation so far, in which earlier assistant turns are already the
+target's (turns that start past the ``data.max_seq_len`` window are left as written: no
+stage downstream ever sees them). Work is written in shards, each committed by a small JSON
+file carrying a fingerprint of everything that decides its content, so an interrupted run
+resumes at the first shard missing and never reuses a shard made with other params, target
+or data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from dflash import paths
+from dflash.config import Config, RegenerateConfig
+from dflash.data.chat import template_renderer
+from dflash.data.conversations import (
+    count_conversations,
+    read_conversations,
+    write_conversations,
+)
+from dflash.data.tokenizer import IM_END, load_tokenizer
+from dflash.model.target import load_target, set_cpu_threads, target_device_dtype
+
+COUNTS = ("turns", "outside_window", "tokens_generated", "empty_responses", "unterminated")
+"""Per-shard counts, summed into the report whether a shard was made now or resumed."""
+
+
+def digest(path: Path) -> str:
+    """SHA-256 of a file, or of every file under a directory with its relative name."""
+    sha = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        sha.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        sha.update(file.read_bytes())
+    return sha.hexdigest()
+
+
+def fingerprint(config: Config, device: torch.device) -> str:
+    """What a shard's content depends on: params, device, target, tokenizer and input data."""
+    parts = {
+        "regenerate": dataclasses.asdict(config.regenerate),
+        "max_seq_len": config.data.max_seq_len,
+        "device": device.type,
+        "target": digest(paths.TARGET),
+        "tokenizer": digest(paths.TOKENIZER),
+        "conversations": digest(paths.CONVERSATIONS),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End-of-turn tokens: ``<|im_end|>`` when the vocabulary has it, and the eos token."""
+    ids = {tokenizer.eos_token_id}
+    if IM_END in tokenizer.get_vocab():
+        ids.add(tokenizer.convert_tokens_to_ids(IM_END))
+    return sorted(i for i in ids if i is not None)
+
+
+def generation_config(
+    config: RegenerateConfig, stop_ids: list[int], pad_id: int
+) -> GenerationConfig:
+    """Greedy at temperature 0, else plain sampling (no top-k/top-p: the target's own law)."""
+    return GenerationConfig(
+        max_new_tokens=config.max_new_tokens,
+        do_sample=config.temperature > 0,
+        temperature=config.temperature if config.temperature > 0 else None,
+        top_k=None,
+        top_p=None,
+        eos_token_id=stop_ids,
+        pad_token_id=pad_id,
+    )
+
+
+def generate(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    pad_id: int,
+    stop_ids: list[int],
+    generation: GenerationConfig,
+) -> list[list[int]]:
+    """Continue left-padded prompts together; each answer ends at (and keeps) its first stop."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    output = model.generate(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        generation_config=generation,
+    )
+    answers = []
+    for tokens in output[:, width:].tolist():
+        end = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+        answers.append(tokens if end is None else tokens[: end + 1])
+    return answers
+
+
+def regenerate_shard(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    config: RegenerateConfig,
+    max_seq_len: int,
+    progress: tqdm,
+) -> tuple[list[dict], dict]:
+    """Regenerate the assistant turns of ``rows``, round by round across conversations.
+
+    Round ``r`` answers the ``r``-th assistant turn of every conversation that has one, so
+    each prompt already holds the target's earlier answers; prompts keep their last
+    ``max_seq_len - max_new_tokens`` tokens. A turn whose prompt alone fills ``max_seq_len``
+    starts beyond the window the tokenize stage keeps, so it and the turns after it could
+    never be trained on: they stay as written and are counted as ``outside_window``.
+    Within a round, prompts are batched in order of length to keep left padding small.
+    """
+    render = template_renderer(tokenizer)
+    budget = max_seq_len - config.max_new_tokens
+    stop_ids = stop_token_ids(tokenizer)
+    generation = generation_config(config, stop_ids, tokenizer.pad_token_id)
+    rows = [{**row, "messages": [dict(m) for m in row["messages"]]} for row in rows]
+    turns = [[j for j, m in enumerate(r["messages"]) if m["role"] == "assistant"] for r in rows]
+    stats = dict.fromkeys(COUNTS, 0)
+    for r in range(max((len(t) for t in turns), default=0)):
+        slots = [(i, t[r]) for i, t in enumerate(turns) if len(t) > r]
+        if not slots:
+            break
+        texts = [render(rows[i]["messages"][:j], add_generation_prompt=True) for i, j in slots]
+        prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        for k in [k for k, p in enumerate(prompts) if len(p) >= max_seq_len]:
+            i = slots[k][0]
+            stats["outside_window"] += len(turns[i]) - r
+            progress.update(len(turns[i]) - r)
+            turns[i] = turns[i][:r]
+        inside = [k for k, p in enumerate(prompts) if len(p) < max_seq_len]
+        inside.sort(key=lambda k: len(prompts[k]))
+        for start in range(0, len(inside), config.batch_size):
+            batch = inside[start : start + config.batch_size]
+            answers = generate(
+                model,
+                [prompts[k][-budget:] for k in batch],
+                tokenizer.pad_token_id,
+                stop_ids,
+                generation,
+            )
+            for k, answer in zip(batch, answers, strict=True):
+                i, j = slots[k]
+                content = tokenizer.decode(answer, skip_special_tokens=True)
+                rows[i]["messages"][j] = {"role": "assistant", "content": content}
+                stats["turns"] += 1
+                stats["tokens_generated"] += len(answer)
+                stats["empty_responses"] += not content.strip()
+                stats["unterminated"] += not answer or answer[-1] not in stop_ids
+            progress.update(len(batch))
+    return rows, stats
+
+
+def shard_paths(index: int) -> tuple[Path, Path]:
+    """The shard's conversations and its commit file (written last, so it marks completion)."""
+    return (
+        paths.REGENERATED_SHARDS / f"shard_{index:05d}.parquet",
+        paths.REGENERATED_SHARDS / f"shard_{index:05d}.json",
+    )
+
+
+def completed_shard(index: int, fp: str) -> dict | None:
+    """The stats of shard ``index`` if it was finished with fingerprint ``fp``, else None."""
+    data, commit = shard_paths(index)
+    if not (data.exists() and commit.exists()):
+        return None
+    stats = json.loads(commit.read_text())
+    return stats if stats.get("fingerprint") == fp else None
+
+
+def write_json_atomic(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def remove_stale_shards(fp: str) -> None:
+    """Delete shards committed under another fingerprint, so outputs never mix runs."""
+    for commit in paths.REGENERATED_SHARDS.glob("shard_*.json"):
+        if json.loads(commit.read_text()).get("fingerprint") != fp:
+            commit.unlink()
+            commit.with_suffix(".parquet").unlink(missing_ok=True)
+
+
+def shard_of(
+    index: int,
+    rows: list[dict],
+    fp: str,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    config: Config,
+    progress: tqdm,
+) -> tuple[list[dict], dict, bool]:
+    """Shard ``index``: read back if committed under ``fp``, else regenerated and committed.
+
+    Returns its conversations, its stats and whether it was made now. The seed is per shard,
+    so a resumed run samples exactly what an uninterrupted one would have.
+    """
+    data, commit = shard_paths(index)
+    stats = completed_shard(index, fp)
+    if stats is not None:
+        progress.update(stats["turns"] + stats["outside_window"])
+        return read_conversations(data), stats, False
+    torch.manual_seed(config.regenerate.seed + index)
+    began = time.perf_counter()
+    shard, stats = regenerate_shard(
+        model, tokenizer, rows, config.regenerate, config.data.max_seq_len, progress
+    )
+    stats |= {"fingerprint": fp, "conversations": len(shard)}
+    stats["seconds"] = time.perf_counter() - began
+    write_conversations(shard, data)
+    write_json_atomic(stats, commit)
+    return shard, stats, True
+
+
+def regenerate(config: Config) -> dict:
+    """Regenerate ``paths.CONVERSATIONS`` shard by shard; return the report."""
+    size = config.regenerate.shard_size
+    if config.data.max_seq_len <= config.regenerate.max_new_tokens:
+        raise ValueError(
+            f"data.max_seq_len = {config.data.max_seq_len} leaves no room for a prompt with "
+            f"regenerate.max_new_tokens = {config.regenerate.max_new_tokens}"
+        )
+    device, _ = target_device_dtype()
+    tokenizer = load_tokenizer(paths.TOKENIZER)
+    model = load_target(paths.TARGET, device)
+    rows = read_conversations(paths.CONVERSATIONS)
+    fp = fingerprint(config, device)
+    remove_stale_shards(fp)
+    totals = dict.fromkeys(COUNTS, 0)
+    fresh = {"shards": 0, "conversations": 0, "tokens_generated": 0, "seconds": 0.0}
+    output: list[dict] = []
+    turns = sum(m["role"] == "assistant" for r in rows for m in r["messages"])
+    progress = tqdm(total=turns, desc="regenerate", unit="turn")
+    starts = range(0, len(rows), size)
+    for index, start in enumerate(starts):
+        shard, stats, made = shard_of(
+            index, rows[start : start + size], fp, model, tokenizer, config, progress
+        )
+        output.extend(shard)
+        totals = {key: totals[key] + stats[key] for key in COUNTS}
+        if made:
+            fresh["shards"] += 1
+            fresh["conversations"] += len(shard)
+            fresh["tokens_generated"] += stats["tokens_generated"]
+            fresh["seconds"] += stats["seconds"]
+    progress.close()
+    write_conversations(output, paths.REGENERATED_CONVERSATIONS)
+    seconds = fresh["seconds"]
+    return {
+        "skipped": False,
+        "conversations": len(output),
+        "turns_regenerated": totals["turns"],
+        "turns_outside_window": totals["outside_window"],
+        "tokens_generated": totals["tokens_generated"],
+        "empty_responses": totals["empty_responses"],
+        "unterminated_responses": totals["unterminated"],
+        "shards": len(starts),
+        "shards_made": fresh["shards"],
+        "fingerprint": fp,
+        "device": device.type,
+        "seconds": seconds,
+        "tokens_per_s": fresh["tokens_generated"] / seconds if seconds else None,
+        "conversations_per_s": fresh["conversations"] / seconds if seconds else None,
+    }
+
+
+def copy_conversations() -> dict:
+    """``data.regenerate: false``: the training split passes through unchanged."""
+    paths.REGENERATED.mkdir(parents=True, exist_ok=True)
+    tmp = paths.REGENERATED_CONVERSATIONS.with_name(paths.REGENERATED_CONVERSATIONS.name + ".tmp")
+    shutil.copyfile(paths.CONVERSATIONS, tmp)
+    os.replace(tmp, paths.REGENERATED_CONVERSATIONS)
+    return {"skipped": True, "conversations": count_conversations(paths.CONVERSATIONS)}
+
+
+def run(config: Config) -> None:
+    """Write ``paths.REGENERATED_CONVERSATIONS`` and ``data/regenerated/report.json``."""
+    set_cpu_threads()
+    report = regenerate(config) if config.data.regenerate else copy_conversations()
+    write_json_atomic(report, paths.REGENERATE_REPORT)
+    if report["skipped"]:
+        print(f"regenerate: skipped, copied {report['conversations']} conversations")
+    else:
+        print(
+            f"regenerate: {report['turns_regenerated']} turns of {report['conversations']} "
+            f"conversations, {report['tokens_generated']} tokens"
+        )

@@ -1,0 +1,171 @@
+"""The target stage and the one way every later stage loads the frozen target.
+
+``target.path`` set: a real Hugging Face causal LM. It is loaded once to check it works and
+``models/target/`` records only a reference to it (path, config summary, config hash), so
+an 8B model is never copied into the pipeline's outputs. ``target.path`` null: the tiny
+default Qwen3 is pretrained here (see ``dflash.model.pretrain``) and saved in full.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from dflash import paths
+from dflash.config import Config
+from dflash.data.conversations import read_conversations
+from dflash.data.tokenizer import load_tokenizer
+from dflash.model.pretrain import (
+    build_tiny_target,
+    encode_windows,
+    heldout_loss,
+    pack,
+    pretrain,
+)
+
+REFERENCE_FILE = "dflash_target.json"
+REFERENCE_EVAL_ROWS = 64
+"""Held-out rows of ``max_seq_len`` a referenced (possibly huge) target is scored on."""
+
+
+def target_device_dtype() -> tuple[torch.device, torch.dtype]:
+    """bf16 on CUDA, where the target's matmuls are fast in it; fp32 on CPU, where it is not."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def set_cpu_threads() -> int:
+    """On CPU, use all cores this process may run on but one; returns the thread count.
+
+    Measured on a shared 2-core machine: with every core busy elsewhere, 2 torch threads
+    ran a training step 6x and a decoding step 10-60x slower than 1 thread, as OpenMP
+    threads wait on each other; leaving a core free costs little when the machine is idle.
+    """
+    threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    return threads
+
+
+def resolve_target_path(path_or_dir: str | Path) -> str:
+    """The model directory (or hub id) behind ``path_or_dir``, following a reference file."""
+    reference = Path(path_or_dir) / REFERENCE_FILE
+    if reference.is_file():
+        return json.loads(reference.read_text())["path"]
+    return str(path_or_dir)
+
+
+def load_target(
+    path_or_dir: str | Path, device: torch.device | str | None = None
+) -> PreTrainedModel:
+    """Load the target frozen and in eval mode, in the dtype that suits ``device``."""
+    device = torch.device(device) if device is not None else target_device_dtype()[0]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_target_path(path_or_dir), dtype=dtype)
+    model.to(device)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def config_hash(model: PreTrainedModel) -> str:
+    """Fingerprint of the architecture, so a changed target invalidates what depends on it."""
+    summary = model.config.to_dict()
+    summary.pop("transformers_version", None)
+    return hashlib.sha256(json.dumps(summary, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def score_heldout(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    max_rows: int | None = None,
+) -> dict:
+    """Held-out loss and perplexity on ``paths.HELDOUT`` (empty when it has no conversations)."""
+    rows = read_conversations(paths.HELDOUT) if paths.HELDOUT.exists() else []
+    if not rows:
+        return {}
+    documents, _ = encode_windows(rows, tokenizer, max_seq_len)
+    input_ids, labels = pack(documents, max_seq_len, tokenizer.pad_token_id)
+    loss, tokens = heldout_loss(model, input_ids[:max_rows], labels[:max_rows])
+    return {"heldout_loss": loss, "heldout_perplexity": math.exp(loss), "heldout_tokens": tokens}
+
+
+def reset_dir(path: Path) -> None:
+    """Empty the stage's output directory, so no stale weights sit beside a reference."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def write_json(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Check that ``target.path`` loads and covers the tokenizer, then record a reference."""
+    source = config.target.path
+    if Path(source).resolve() == paths.TARGET.resolve():
+        raise ValueError(f"target.path = {source}: is the stage's own output directory")
+    model = load_target(source)
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(
+            f"target.path = {source}: vocabulary {model.config.vocab_size} is smaller than the "
+            f"tokenizer's {len(tokenizer)} at {paths.TOKENIZER} (is it the target's tokenizer?)"
+        )
+    local = Path(source)
+    reference = {
+        "path": str(local.resolve()) if local.exists() else source,
+        "model_type": model.config.model_type,
+        "architectures": model.config.architectures,
+        "num_hidden_layers": model.config.num_hidden_layers,
+        "hidden_size": model.config.hidden_size,
+        "vocab_size": model.config.vocab_size,
+        "config_sha256": config_hash(model),
+    }
+    reset_dir(paths.TARGET)
+    write_json(reference, paths.TARGET / REFERENCE_FILE)
+    metrics = {"mode": "reference", "parameters": model.num_parameters()}
+    metrics |= score_heldout(model, tokenizer, config.data.max_seq_len, REFERENCE_EVAL_ROWS)
+    write_json(metrics, paths.TARGET_METRICS)
+    print(f"target: reference to {reference['path']} ({model.config.model_type})")
+
+
+def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Pretrain the tiny default on the training split and save it with its tokenizer."""
+    max_seq_len = config.data.max_seq_len
+    model = build_tiny_target(config.target, tokenizer, max_seq_len)
+    rows = read_conversations(paths.CONVERSATIONS)
+    documents, cut = encode_windows(rows, tokenizer, max_seq_len)
+    input_ids, labels = pack(documents, max_seq_len, tokenizer.pad_token_id)
+    metrics = {"mode": "pretrained", "parameters": model.num_parameters()}
+    metrics["tokens_beyond_max_seq_len"] = cut
+    metrics |= pretrain(model, input_ids, labels, config.target)
+    metrics |= score_heldout(model, tokenizer, max_seq_len)
+    reset_dir(paths.TARGET)
+    model.save_pretrained(str(paths.TARGET))
+    tokenizer.save_pretrained(str(paths.TARGET))
+    write_json(metrics, paths.TARGET_METRICS)
+    print(
+        f"target: {metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "
+        f"held-out perplexity {metrics.get('heldout_perplexity', float('nan')):.2f}"
+    )
+
+
+def run(config: Config) -> None:
+    """Write ``models/target/`` and ``metrics/target.json``."""
+    set_cpu_threads()
+    tokenizer = load_tokenizer(paths.TOKENIZER)
+    if config.target.path is None:
+        pretrain_target(config, tokenizer)
+    else:
+        reference_target(config, tokenizer)
