@@ -79,7 +79,7 @@ def main() -> None:
     target = Qwen3ForCausalLM(config).cuda().eval()
     bs = 16
     drafter = DFlashDrafter.from_target(
-        target, block_size=bs, num_hidden_layers=2, num_target_layers=3, mask_token_id=4095
+        target, block_size=bs, num_hidden_layers=2, num_target_features=3, mask_token_id=4095
     )
     batch = packed_batch(
         rows=4, seq_len=1024, docs_per_row=3, vocab=4096, anchors=64, bs=bs, device="cuda"

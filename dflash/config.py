@@ -109,8 +109,8 @@ class RegenerateConfig:
 class DrafterConfig:
     block_size: int = 16
     num_hidden_layers: int = 1
-    num_target_layers: int = 3
-    """How many target hidden states are fused (paper: 5)."""
+    num_target_features: int = 3
+    """How many target layers' hidden states are fused (paper: 5)."""
     gamma: float = 7.0
     """Loss decay: slot k weighs exp(-(k-1)/gamma)."""
     anchors_per_sequence: int = 512
@@ -118,7 +118,7 @@ class DrafterConfig:
     def validate(self) -> None:
         _check_min("drafter.block_size", self.block_size, 2)
         _check_min("drafter.num_hidden_layers", self.num_hidden_layers, 1)
-        _check_min("drafter.num_target_layers", self.num_target_layers, 1)
+        _check_min("drafter.num_target_features", self.num_target_features, 1)
         _check_min("drafter.gamma", self.gamma, 1e-6)
         _check_min("drafter.anchors_per_sequence", self.anchors_per_sequence, 1)
 
@@ -244,7 +244,27 @@ def from_dict(raw: dict[str, Any]) -> Config:
     config = _build(Config, raw, "")
     for section in dataclasses.fields(config):
         getattr(config, section.name).validate()
+    _validate_across(config)
     return config
+
+
+def _validate_across(config: Config) -> None:
+    """Rules that tie two sections together."""
+    seq = config.data.max_seq_len
+    for key, new in (
+        ("regenerate.max_new_tokens", config.regenerate.max_new_tokens),
+        ("evaluate.max_new_tokens", config.evaluate.max_new_tokens),
+    ):
+        if new >= seq:
+            raise ConfigError(
+                f"{key} = {new}: must be below data.max_seq_len = {seq}, which must also hold "
+                "the prompt"
+            )
+    if 2 * config.drafter.block_size > seq:
+        raise ConfigError(
+            f"drafter.block_size = {config.drafter.block_size}: two blocks must fit in "
+            f"data.max_seq_len = {seq}"
+        )
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:

@@ -42,7 +42,7 @@ TINY_PARAMS = {
     "drafter": {
         "block_size": 4,
         "num_hidden_layers": 1,
-        "num_target_layers": 2,
+        "num_target_features": 2,
         "anchors_per_sequence": 6,
     },
     "batching": {"strategy": "shuffle", "token_budget": 384, "max_batch_size": 8, "num_buckets": 2},

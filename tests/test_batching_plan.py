@@ -229,3 +229,19 @@ def test_one_packed_row_is_split_until_every_rank_has_work():
     table = plan_epoch(lengths, params, 0)
     check_epoch(table, lengths, plan_meta(lengths, params, 1), 0)
     assert structure(table).padded.size == 8
+
+
+def test_replanning_removes_stale_epochs_and_drops_the_summary_first(tmp_path, monkeypatch):
+    lengths = lognormal_lengths(500)
+    params = make_params(lengths, "shuffle")
+    write_plans(lengths, params, 3, tmp_path)
+    write_plans(lengths, params, 1, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_000.parquet", "summary.json"]
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(io, "write_epoch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_plans(lengths, params, 2, tmp_path)
+    assert not (tmp_path / io.SUMMARY).exists()

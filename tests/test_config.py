@@ -48,6 +48,7 @@ def test_explicit_boundaries_list():
         ("batching.boundaries=best", ["batching.boundaries", "'optimal'"]),
         ("data.source=corpus.csv", ["data.source", ".jsonl"]),
         ("target.hidden_size=130", ["target.hidden_size", "multiple"]),
+        ("evaluate.max_new_tokens=1024", ["evaluate.max_new_tokens", "data.max_seq_len"]),
     ],
 )
 def test_bad_values_fail_fast_with_key_and_allowed(override, words):

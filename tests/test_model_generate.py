@@ -27,7 +27,7 @@ def target() -> Qwen3ForCausalLM:
 
 def new_drafter(target, seed: int = 0) -> DFlashDrafter:
     return DFlashDrafter.from_target(
-        target, block_size=BS, num_hidden_layers=1, num_target_layers=3, mask_token_id=MASK,
+        target, block_size=BS, num_hidden_layers=1, num_target_features=3, mask_token_id=MASK,
         seed=seed,
     )  # fmt: skip
 
@@ -99,7 +99,7 @@ def test_save_and_load_round_trip(target, overfit, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["block_size"] == BS and config["num_hidden_layers"] == 1
-    assert config["num_target_layers"] == 3
+    assert config["num_target_layers"] == target.config.num_hidden_layers
     assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 2, 3]}
     loaded = DFlashDrafter.from_pretrained(tmp_path, target)
     assert loaded.config == drafter.config

@@ -89,7 +89,7 @@ def test_drafter_ignores_context_at_and_after_the_anchor():
                          intermediate_size=64)  # fmt: skip
     target = Qwen3ForCausalLM(config)
     drafter = DFlashDrafter.from_target(
-        target, block_size=BS, num_hidden_layers=2, num_target_layers=2, mask_token_id=63
+        target, block_size=BS, num_hidden_layers=2, num_target_features=2, mask_token_id=63
     )
     anchors = torch.tensor([[5]])
     docs = torch.zeros(1, T, dtype=torch.long)

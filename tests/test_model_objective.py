@@ -28,7 +28,7 @@ def target() -> Qwen3ForCausalLM:
 @pytest.fixture(scope="module")
 def drafter(target) -> DFlashDrafter:
     return DFlashDrafter.from_target(
-        target, block_size=BS, num_hidden_layers=2, num_target_layers=2, mask_token_id=MASK
+        target, block_size=BS, num_hidden_layers=2, num_target_features=2, mask_token_id=MASK
     )
 
 

@@ -65,7 +65,7 @@ def test_micro_batch_weight_sum_matches_objective(tiny_workspace):
     steps = read_rank_plan(Path("data/plans/epoch_000.parquet"), 0)
     target = load_target(Path("models/target"))
     drafter = DFlashDrafter.from_target(
-        target, block_size=4, num_hidden_layers=1, num_target_layers=2, mask_token_id=3
+        target, block_size=4, num_hidden_layers=1, num_target_features=2, mask_token_id=3
     )
     d = config.drafter
     mb = build_micro_batch(

@@ -15,6 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash.fileio import atomic_path, write_json_atomic
+
 META_KEY = b"dflash.plan.meta"
 SUMMARY = "summary.json"
 
@@ -49,7 +51,8 @@ def lengths_fingerprint(lengths: np.ndarray) -> str:
 
 def write_epoch(table: pa.Table, path: str | Path, meta: dict[str, Any]) -> None:
     table = table.replace_schema_metadata({META_KEY: json.dumps(meta, sort_keys=True)})
-    pq.write_table(table, path, compression="zstd")
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
 
 
 def read_epoch(path: str | Path) -> tuple[pa.Table, dict[str, Any] | None]:
@@ -60,7 +63,7 @@ def read_epoch(path: str | Path) -> tuple[pa.Table, dict[str, Any] | None]:
 
 
 def write_summary(summary: dict[str, Any], plans_dir: str | Path) -> None:
-    (Path(plans_dir) / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    write_json_atomic(Path(plans_dir) / SUMMARY, summary)
 
 
 def read_plan_meta(plans_dir: str | Path) -> dict[str, Any]:

@@ -27,8 +27,7 @@ from dflash.batching.metrics import epoch_metrics, overall
 from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import validate_plans
 from dflash.config import Config
-
-"""The plan's figures as a DVC metrics file (outside ``data/plans``, which is an out)."""
+from dflash.fileio import write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,8 @@ def write_plans(
     """Write ``epoch_EEE.parquet`` for every epoch and ``summary.json``; return the summary."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    # Written last: until it is, no summary vouches for a mix of new and old epoch files.
+    (out_dir / io.SUMMARY).unlink(missing_ok=True)
     meta = plan_meta(lengths, params, epochs)
     per_epoch, previous = [], None
     for epoch in range(epochs):
@@ -144,9 +145,9 @@ def run(config: Config) -> None:
     summary = write_plans(
         lengths, params_from_config(config, lengths), config.train.epochs, paths.PLANS
     )
-    paths.PLAN_METRICS.parent.mkdir(parents=True, exist_ok=True)
+    # The plan's figures as a DVC metrics file (outside ``data/plans``, which is an out).
     figures = {k: v for k, v in summary.items() if k != "meta"}
-    paths.PLAN_METRICS.write_text(json.dumps(figures, indent=2) + "\n")
+    write_json_atomic(paths.PLAN_METRICS, figures)
     print(f"[plan] {_headline(summary)}")
 
 

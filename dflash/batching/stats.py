@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import structure
 from dflash.batching.plan import PlanParams, plan_epoch
 from dflash.config import Config
+from dflash.fileio import atomic_path, write_json_atomic
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
@@ -109,9 +109,9 @@ def write_stats(
     check_lengths(lengths, params.max_seq_len, params.token_budget)
     summary = describe(lengths)
     report = bucket_report(lengths, num_buckets, params)
-    (out_dir / "lengths.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out_dir / "buckets.json").write_text(json.dumps(report, indent=2) + "\n")
-    with open(out_dir / "histogram.csv", "w", newline="") as f:
+    write_json_atomic(out_dir / "lengths.json", summary)
+    write_json_atomic(out_dir / "buckets.json", report)
+    with atomic_path(out_dir / "histogram.csv") as tmp, open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["length", "count"])
         edges, counts = summary["histogram"]["edges"], summary["histogram"]["counts"]

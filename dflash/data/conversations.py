@@ -7,12 +7,13 @@ renamed, so a stage killed mid-write never leaves a truncated file that looks fi
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dflash.fileio import atomic_path
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 SCHEMA = pa.schema([("conversation_id", pa.string()), ("messages", pa.list_(MESSAGE))])
@@ -36,9 +37,8 @@ def write_conversations(rows: Iterable[dict], path: str | Path) -> None:
         },
         schema=SCHEMA,
     )
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
 
 
 def read_conversations(path: str | Path) -> list[dict]:

@@ -8,7 +8,6 @@ or a counted line of the report (skip reason, duplicate, or left out by
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from dflash.config import Config
 from dflash.data.chitchat import load_chitchat
 from dflash.data.conversations import write_conversations
 from dflash.data.records import REASONS, RecordError, content_hash, decode_line, parse_record
+from dflash.fileio import write_json_atomic
 
 FIRST_LINES = 5
 """How many line numbers the report keeps per reason: enough to go and look."""
@@ -127,7 +127,7 @@ def run(config: Config) -> None:
     report = {"source": source, **report, **extra}
     write_conversations(train, paths.CONVERSATIONS)
     write_conversations(heldout, paths.HELDOUT)
-    paths.INGEST_REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(paths.INGEST_REPORT, report)
     print(
         f"ingest {source}: read {report['records_read']}, train {len(train)}, "
         f"heldout {len(heldout)}, skipped {report['skipped_total']}, "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -33,24 +32,31 @@ from dflash.data.conversations import (
     write_conversations,
 )
 from dflash.data.tokenizer import IM_END, load_tokenizer
-from dflash.model.target import load_target, set_cpu_threads, target_device_dtype
+from dflash.fileio import atomic_path, sha256_file, write_json_atomic
+from dflash.model.target import load_target, target_device_dtype
+from dflash.threads import set_cpu_threads
 
 COUNTS = ("turns", "outside_window", "tokens_generated", "empty_responses", "unterminated")
 """Per-shard counts, summed into the report whether a shard was made now or resumed."""
 
 
+SOURCES = (Path(__file__), Path(__file__).with_name("chat.py"))
+"""The code that shapes a shard (this module, the chat template renderer): a fix to it must
+invalidate shards made before it."""
+
+
 def digest(path: Path) -> str:
-    """SHA-256 of a file, or of every file under a directory with its relative name."""
+    """SHA-256 over every file under a directory (or one file), each with its relative name."""
     sha = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     for file in files:
         sha.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        sha.update(file.read_bytes())
+        sha.update(sha256_file(file).encode())
     return sha.hexdigest()
 
 
 def fingerprint(config: Config, device: torch.device) -> str:
-    """What a shard's content depends on: params, device, target, tokenizer and input data."""
+    """What a shard's content depends on: params, device, target, tokenizer, input data, code."""
     parts = {
         "regenerate": dataclasses.asdict(config.regenerate),
         "max_seq_len": config.data.max_seq_len,
@@ -58,6 +64,7 @@ def fingerprint(config: Config, device: torch.device) -> str:
         "target": digest(paths.TARGET),
         "tokenizer": digest(paths.TOKENIZER),
         "conversations": digest(paths.CONVERSATIONS),
+        "code": {source.name: sha256_file(source) for source in SOURCES},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -187,13 +194,6 @@ def completed_shard(index: int, fp: str) -> dict | None:
     return stats if stats.get("fingerprint") == fp else None
 
 
-def write_json_atomic(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def remove_stale_shards(fp: str) -> None:
     """Delete shards committed under another fingerprint, so outputs never mix runs."""
     for commit in paths.REGENERATED_SHARDS.glob("shard_*.json"):
@@ -229,7 +229,7 @@ def shard_of(
     stats |= {"fingerprint": fp, "conversations": len(shard)}
     stats["seconds"] = time.perf_counter() - began
     write_conversations(shard, data)
-    write_json_atomic(stats, commit)
+    write_json_atomic(commit, stats)
     return shard, stats, True
 
 
@@ -287,10 +287,8 @@ def regenerate(config: Config) -> dict:
 
 def copy_conversations() -> dict:
     """``data.regenerate: false``: the training split passes through unchanged."""
-    paths.REGENERATED.mkdir(parents=True, exist_ok=True)
-    tmp = paths.REGENERATED_CONVERSATIONS.with_name(paths.REGENERATED_CONVERSATIONS.name + ".tmp")
-    shutil.copyfile(paths.CONVERSATIONS, tmp)
-    os.replace(tmp, paths.REGENERATED_CONVERSATIONS)
+    with atomic_path(paths.REGENERATED_CONVERSATIONS) as tmp:
+        shutil.copyfile(paths.CONVERSATIONS, tmp)
     return {"skipped": True, "conversations": count_conversations(paths.CONVERSATIONS)}
 
 
@@ -298,7 +296,7 @@ def run(config: Config) -> None:
     """Write ``paths.REGENERATED_CONVERSATIONS`` and ``data/regenerated/report.json``."""
     set_cpu_threads()
     report = regenerate(config) if config.data.regenerate else copy_conversations()
-    write_json_atomic(report, paths.REGENERATE_REPORT)
+    write_json_atomic(paths.REGENERATE_REPORT, report)
     if report["skipped"]:
         print(f"regenerate: skipped, copied {report['conversations']} conversations")
     else:

@@ -8,7 +8,6 @@ loss tokens: too few for even one anchored block plus its targets. Every drop is
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from dflash.data.chat import encode_conversations
 from dflash.data.conversations import count_conversations, iter_conversations
 from dflash.data.store import TokenStore, TokenStoreWriter
 from dflash.data.tokenizer import MASK_TOKEN, load_tokenizer, tokenizer_hash
+from dflash.fileio import write_json_atomic
 
 DROP_REASONS = ("overlength", "too_few_loss_tokens")
 
@@ -122,7 +122,7 @@ def run(config: Config) -> None:
     )
     store = TokenStore(paths.TOKENIZED)
     report = {**manifest, "length": length_summary(store.lengths)}
-    paths.TOKENIZE_REPORT.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(paths.TOKENIZE_REPORT, report)
     print(
         f"tokenize: {manifest['n_samples']} samples, {manifest['n_tokens']} tokens "
         f"({manifest['n_loss_tokens']} with loss), truncated {manifest['truncated']}, "

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
+from dflash.fileio import reset_dir, write_json_atomic
 
 MASK_TOKEN = "<|MASK|>"
 IM_START = "<|im_start|>"
@@ -113,7 +114,7 @@ def run(config: Config) -> None:
         if not tokenizer.chat_template:
             raise ValueError(f"tokenizer.path = {config.tokenizer.path}: has no chat_template")
         source, added = str(config.tokenizer.path), add_mask_token(tokenizer)
-    paths.TOKENIZER.mkdir(parents=True, exist_ok=True)
+    reset_dir(paths.TOKENIZER)  # no file of a previous tokenizer may stay beside this one
     tokenizer.save_pretrained(str(paths.TOKENIZER))
     info = {
         "source": source,
@@ -123,5 +124,5 @@ def run(config: Config) -> None:
         "vocab_size": len(tokenizer),
         "hash": tokenizer_hash(tokenizer),
     }
-    (paths.TOKENIZER / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    write_json_atomic(paths.TOKENIZER / INFO_FILE, info)
     print(f"tokenizer: {source}, {len(tokenizer)} tokens, {MASK_TOKEN} id {info['mask_token_id']}")

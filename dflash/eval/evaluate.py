@@ -18,11 +18,12 @@ from tqdm import tqdm
 from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
+from dflash.data.regenerate import stop_token_ids
 from dflash.data.tokenizer import load_tokenizer
+from dflash.fileio import write_json_atomic, write_text_atomic
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import dflash_generate, greedy_generate
 from dflash.model.target import load_target
-from dflash.train.monitor import write_atomic, write_json
 
 
 @dataclass
@@ -109,14 +110,14 @@ def run(config: Config) -> None:
         raise ValueError(f"{paths.HELDOUT} has no conversation with an assistant turn to evaluate")
     with torch.no_grad():
         results = evaluate_prompts(
-            target, drafter, prompts, config.evaluate.max_new_tokens, [tokenizer.eos_token_id]
+            target, drafter, prompts, config.evaluate.max_new_tokens, stop_token_ids(tokenizer)
         )
     metrics = summarize(results, drafter.config.block_size)
-    write_json(paths.EVAL_METRICS, metrics)
+    write_json_atomic(paths.EVAL_METRICS, metrics, sort_keys=True)
     rows = "position,acceptance\n" + "".join(
         f"{k},{a:.6f}\n" for k, a in enumerate(metrics["per_position_acceptance"], start=1)
     )
-    write_atomic(paths.EVAL_PLOTS / "acceptance.csv", rows)
+    write_text_atomic(paths.EVAL_PLOTS / "acceptance.csv", rows)
     print(
         f"[evaluate] τ = {metrics['acceptance_length']:.3f} over {metrics['n_prompts']} prompts, "
         f"mismatches {metrics['lossless_mismatches']}, speedup {metrics['speedup']:.2f}x (CPU)"

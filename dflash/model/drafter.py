@@ -214,18 +214,22 @@ class DFlashDrafter(nn.Module):
         *,
         block_size: int,
         num_hidden_layers: int,
-        num_target_layers: int,
+        num_target_features: int,
         mask_token_id: int,
         seed: int = 0,
     ) -> DFlashDrafter:
-        """A freshly initialised drafter (seeded, global RNG untouched) sized like ``target``."""
+        """A freshly initialised drafter (seeded, global RNG untouched) sized like ``target``.
+
+        ``num_target_features`` target layers are fused; ``config.num_target_layers`` records
+        the target's depth, as the public DFlash ``config.json`` does.
+        """
         tc = target.config
         heads = tc.num_attention_heads
         config = DFlashConfig(
             block_size=block_size,
             num_hidden_layers=num_hidden_layers,
-            num_target_layers=num_target_layers,
-            target_layer_ids=spread_layer_ids(tc.num_hidden_layers, num_target_layers),
+            num_target_layers=tc.num_hidden_layers,
+            target_layer_ids=spread_layer_ids(tc.num_hidden_layers, num_target_features),
             mask_token_id=mask_token_id,
             vocab_size=target.get_input_embeddings().weight.shape[0],
             hidden_size=tc.hidden_size,
@@ -249,6 +253,12 @@ class DFlashDrafter(nn.Module):
             raise ValueError(
                 f"drafter expects vocab {config.vocab_size} x hidden {config.hidden_size}, "
                 f"the target has {vocab} x {hidden}"
+            )
+        depth = getattr(target.config, "num_hidden_layers", config.num_target_layers)
+        if config.num_target_layers != depth or max(config.target_layer_ids) >= depth:
+            raise ValueError(
+                f"drafter was trained on a {config.num_target_layers}-layer target (features of "
+                f"layers {config.target_layer_ids}), this target has {depth} layers"
             )
         if not 0 <= config.mask_token_id < vocab:
             raise ValueError(f"mask_token_id = {config.mask_token_id} is outside the vocab {vocab}")

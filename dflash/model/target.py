@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import load_tokenizer
+from dflash.fileio import reset_dir, write_json_atomic
 from dflash.model.pretrain import (
     build_tiny_target,
     encode_windows,
@@ -29,6 +28,7 @@ from dflash.model.pretrain import (
     pack,
     pretrain,
 )
+from dflash.threads import set_cpu_threads
 
 REFERENCE_FILE = "dflash_target.json"
 REFERENCE_EVAL_ROWS = 64
@@ -40,19 +40,6 @@ def target_device_dtype() -> tuple[torch.device, torch.dtype]:
     if torch.cuda.is_available():
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
-
-
-def set_cpu_threads() -> int:
-    """On CPU, use all cores this process may run on but one; returns the thread count.
-
-    Measured on a shared 2-core machine: with every core busy elsewhere, 2 torch threads
-    ran a training step 6x and a decoding step 10-60x slower than 1 thread, as OpenMP
-    threads wait on each other; leaving a core free costs little when the machine is idle.
-    """
-    threads = max(1, len(os.sched_getaffinity(0)) - 1)
-    if not torch.cuda.is_available():
-        torch.set_num_threads(threads)
-    return threads
 
 
 def resolve_target_path(path_or_dir: str | Path) -> str:
@@ -99,18 +86,6 @@ def score_heldout(
     return {"heldout_loss": loss, "heldout_perplexity": math.exp(loss), "heldout_tokens": tokens}
 
 
-def reset_dir(path: Path) -> None:
-    """Empty the stage's output directory, so no stale weights sit beside a reference."""
-    if path.exists():
-        shutil.rmtree(path)
-    path.mkdir(parents=True)
-
-
-def write_json(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
-
-
 def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
     """Check that ``target.path`` loads and covers the tokenizer, then record a reference."""
     source = config.target.path
@@ -133,10 +108,10 @@ def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None
         "config_sha256": config_hash(model),
     }
     reset_dir(paths.TARGET)
-    write_json(reference, paths.TARGET / REFERENCE_FILE)
+    write_json_atomic(paths.TARGET / REFERENCE_FILE, reference)
     metrics = {"mode": "reference", "parameters": model.num_parameters()}
     metrics |= score_heldout(model, tokenizer, config.data.max_seq_len, REFERENCE_EVAL_ROWS)
-    write_json(metrics, paths.TARGET_METRICS)
+    write_json_atomic(paths.TARGET_METRICS, metrics)
     print(f"target: reference to {reference['path']} ({model.config.model_type})")
 
 
@@ -154,7 +129,7 @@ def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
     reset_dir(paths.TARGET)
     model.save_pretrained(str(paths.TARGET))
     tokenizer.save_pretrained(str(paths.TARGET))
-    write_json(metrics, paths.TARGET_METRICS)
+    write_json_atomic(paths.TARGET_METRICS, metrics)
     print(
         f"target: {metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "
         f"held-out perplexity {metrics.get('heldout_perplexity', float('nan')):.2f}"

@@ -13,10 +13,10 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from dflash.batching.io import Row
 from dflash.data.store import TokenStore
 from dflash.model.anchors import sample_anchors
-
-Row = list[tuple[int, int, int]]
+from dflash.model.objective import decay_weights
 
 
 @dataclass
@@ -45,14 +45,6 @@ class MicroBatch:
         return MicroBatch(**values)
 
 
-def slot_weights(block_size: int, gamma: float) -> np.ndarray:
-    """``w_k = exp(-(k-1)/gamma)`` for slots 1..bs-1; slot 0 (the anchor itself) weighs 0."""
-    k = np.arange(block_size, dtype=np.float64)
-    w = np.exp(-(k - 1.0) / gamma)
-    w[0] = 0.0
-    return w
-
-
 def build_micro_batch(
     store: TokenStore,
     rows: list[Row],
@@ -70,7 +62,8 @@ def build_micro_batch(
     document_ids = np.full((n_rows, width), -1, dtype=np.int64)
     position_ids = np.zeros((n_rows, width), dtype=np.int64)
     row_anchors: list[np.ndarray] = []
-    weights = slot_weights(block_size, gamma)
+    # The objective's own weights (float32, as it applies them), summed in float64.
+    weights = decay_weights(block_size, gamma).double().numpy()
     weight_sum = 0.0
     real_tokens = 0
     for r, row in enumerate(rows):

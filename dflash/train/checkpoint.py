@@ -9,12 +9,13 @@ checkpoint that belongs to another experiment.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from dflash.fileio import atomic_path, sha256_file, write_text_atomic
 
 PATTERN = "step_*.pt"
 
@@ -26,18 +27,24 @@ def checkpoint_path(directory: Path, step: int) -> Path:
 def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(directory, step)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _write_atomic(_digest_path(path), _sha256(path))
+    write_text_atomic(_digest_path(path), sha256_file(path), fsync=True)
     _fsync_dir(directory)
     for old in list_checkpoints(directory)[keep:]:
-        old.unlink(missing_ok=True)
-        _digest_path(old).unlink(missing_ok=True)
+        remove_checkpoint(old)
     return path
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_").removesuffix(".pt"))
+
+
+def remove_checkpoint(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _digest_path(path).unlink(missing_ok=True)
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -55,7 +62,7 @@ def load_latest(directory: Path, fingerprint: str) -> tuple[dict[str, Any] | Non
         if not digest.exists():
             skipped.append(f"{path.name}: no digest (write did not finish)")
             continue
-        if digest.read_text().strip() != _sha256(path):
+        if digest.read_text().strip() != sha256_file(path):
             skipped.append(f"{path.name}: digest mismatch (truncated or corrupt)")
             continue
         try:
@@ -77,23 +84,6 @@ def remove_checkpoints(directory: Path) -> None:
 
 def _digest_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(directory: Path) -> None:

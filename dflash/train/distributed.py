@@ -65,13 +65,6 @@ def all_reduce_sum(ctx: Dist, values: torch.Tensor) -> torch.Tensor:
     return values.cpu()
 
 
-def all_reduce_max(ctx: Dist, values: torch.Tensor) -> torch.Tensor:
-    if ctx.enabled:
-        values = values.to(ctx.device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values.cpu()
-
-
 def barrier(ctx: Dist) -> None:
     if ctx.enabled:
         dist.barrier()

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import yaml
 
@@ -27,6 +28,7 @@ def run(config: Config) -> int:
     plain = json.loads(json.dumps(config.to_dict()))
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(plain, f)
+    params = Path(f.name)
     cmd = [
         sys.executable,
         "-m",
@@ -36,9 +38,12 @@ def run(config: Config) -> int:
         "-m",
         "dflash.train.launch",
         "--params",
-        f.name,
+        str(params),
     ]
-    return subprocess.call(cmd)
+    try:
+        return subprocess.call(cmd)
+    finally:
+        params.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
+import dflash.model
 from dflash import paths
-from dflash.batching.io import read_plan_meta, read_rank_plan
+from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import MASK_TOKEN, load_tokenizer
+from dflash.fileio import sha256_file, write_json_atomic
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
@@ -37,8 +39,10 @@ from dflash.model.target import load_target
 from dflash.train import checkpoint
 from dflash.train.batches import MicroBatch, StepDataset, make_loader
 from dflash.train.distributed import Dist, all_reduce_sum, barrier, init_distributed, shutdown
-from dflash.train.monitor import Monitor, write_json
-from dflash.train.plan_check import check_plan
+from dflash.train.monitor import Monitor
+from dflash.train.plan_check import StalePlanError, check_epoch_file, check_plan
+
+MODEL_CODE = Path(dflash.model.__file__).parent
 
 
 class DrafterDDP(DistributedDataParallel):
@@ -87,7 +91,7 @@ class Trainer:
             self.target,
             block_size=d.block_size,
             num_hidden_layers=d.num_hidden_layers,
-            num_target_layers=d.num_target_layers,
+            num_target_features=d.num_target_features,
             mask_token_id=mask_token_id,
             seed=config.train.seed,
         ).to(ctx.device)
@@ -141,6 +145,12 @@ class Trainer:
                 checkpoint.remove_checkpoints(paths.CHECKPOINTS)
             barrier(self.ctx)
             return
+        if self.ctx.is_main:
+            # Newer files passed over (unfinished, corrupt, another run's) would otherwise be
+            # counted as "newest" when pruning and crowd out the checkpoints this run writes.
+            for path in checkpoint.list_checkpoints(paths.CHECKPOINTS):
+                if checkpoint.step_of(path) > saved["state"]["global_step"]:
+                    checkpoint.remove_checkpoint(path)
         self.drafter.load_state_dict(saved["drafter"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
@@ -198,14 +208,21 @@ class Trainer:
         summary = self._summary()
         if self.ctx.is_main:
             export_drafter(self.drafter, paths.DRAFTER)
-            write_json(paths.TRAIN_METRICS, summary)
+            write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")
         barrier(self.ctx)
 
     def _run_epoch(self, epoch: int, monitor: Monitor | None) -> None:
         c = self.config
-        steps = read_rank_plan(paths.PLANS / f"epoch_{epoch:03d}.parquet", self.ctx.rank)
+        path = epoch_path(paths.PLANS, epoch)
+        check_epoch_file(path, self.plan_meta, epoch)
+        steps = read_rank_plan(path, self.ctx.rank)
+        if len(steps) != self.epoch_steps[epoch]:
+            raise StalePlanError(
+                f"{path}: rank {self.ctx.rank} has {len(steps)} steps, summary.json says "
+                f"{self.epoch_steps[epoch]}; rerun `dflash plan`"
+            )
         first = self.state["step_in_epoch"]
         dataset = StepDataset(
             self.store,
@@ -274,23 +291,23 @@ class Trainer:
             mb = mb.to(ctx.device)
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not ctx.enabled else self.model.no_sync()
-            with sync, self.autocast:
-                features = target_features(
-                    self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids
-                )
-                out = dflash_objective(
-                    self.model,
-                    features,
-                    mb.input_ids,
-                    mb.loss_mask,
-                    mb.document_ids,
-                    mb.position_ids,
-                    mb.anchors,
-                    c.drafter.gamma,
-                )
-                # DDP averages gradients over ranks; scale so the result is Σ w·CE / Σ_global w.
-                scaled = out.loss_sum * (ctx.world_size / max(weight, 1e-12))
-                scaled.backward()
+            with sync:
+                with self.autocast:
+                    features = target_features(
+                        self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids
+                    )
+                    out = dflash_objective(
+                        self.model,
+                        features,
+                        mb.input_ids,
+                        mb.loss_mask,
+                        mb.document_ids,
+                        mb.position_ids,
+                        mb.anchors,
+                        c.drafter.gamma,
+                    )
+                # DDP averages gradients over ranks: scaled, the sum is Σ w·CE / Σ_global w.
+                (out.loss_sum * (ctx.world_size / max(weight, 1e-12))).backward()
             loss_sum += out.loss_sum.detach().double().cpu()
             correct += out.correct.double().cpu()
             counted += out.counted.double().cpu()
@@ -393,18 +410,25 @@ class _Window:
         }
 
 
+NOT_IN_WEIGHTS = ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch")
+"""Train params that change how a run is carried out but not the weights it ends with."""
+
+
 def run_fingerprint(config: Config, plan_meta: dict[str, Any], manifest: dict[str, Any]) -> str:
-    """Everything the trained weights depend on; a checkpoint resumes only into the same run."""
+    """Everything the trained weights depend on; a checkpoint resumes only into the same run.
+
+    The code that computes the weights and the target's files are part of it: after a fix to
+    the objective, DVC reruns training and it must start over, not reuse a finished run.
+    """
     c = config.to_dict()
-    train = {
-        k: v for k, v in c["train"].items() if k not in ("checkpoint_every", "keep_checkpoints")
-    }
+    code = sorted(Path(__file__).parent.glob("*.py")) + sorted(MODEL_CODE.glob("*.py"))
     payload = {
         "drafter": c["drafter"],
-        "train": train,
+        "train": {k: v for k, v in c["train"].items() if k not in NOT_IN_WEIGHTS},
         "plan": plan_meta["meta"],
         "store": manifest,
-        "target": c["target"],
+        "target": {p.name: sha256_file(p) for p in sorted(paths.TARGET.glob("*")) if p.is_file()},
+        "code": {p.name: sha256_file(p) for p in code},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 

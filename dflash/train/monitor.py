@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from dflash.config import Config
+from dflash.fileio import write_text_atomic
 
 PLOT_COLUMNS = [
     "step",
@@ -52,9 +52,11 @@ class Monitor:
             for k, acc in enumerate(row.get("per_position_accuracy", []), start=1):
                 scalars[f"accuracy_by_position/{k:02d}"] = acc
             self.run.log(scalars, step=row["step"])
-        write_atomic(self.plots_dir / "log.csv", rows_to_csv(self.rows))
+        write_text_atomic(self.plots_dir / "log.csv", rows_to_csv(self.rows))
 
     def finish(self, summary: dict[str, Any]) -> None:
+        # Also when no step ran (a finished run reused): the plot file is a DVC output.
+        write_text_atomic(self.plots_dir / "log.csv", rows_to_csv(self.rows))
         if self.run is not None:
             self.run.summary.update(summary)
             self.run.finish()
@@ -66,14 +68,3 @@ def rows_to_csv(rows: list[dict[str, Any]]) -> str:
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()
-
-
-def write_json(path: Path, data: Any) -> None:
-    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -5,9 +5,13 @@ Training on a stale plan would silently skip or repeat samples, so every differe
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from dflash.batching.io import lengths_fingerprint
+import pyarrow.parquet as pq
+
+from dflash.batching.io import META_KEY, lengths_fingerprint
 from dflash.config import Config
 from dflash.data.store import TokenStore
 
@@ -47,4 +51,19 @@ def check_plan(plan: dict[str, Any], store: TokenStore, config: Config, world_si
         raise StalePlanError(
             f"stale plan in data/plans ({hint}); rerun `dvc repro plan` (or `dflash plan`):\n  "
             + "\n  ".join(problems)
+        )
+
+
+def check_epoch_file(path: Path, plan: dict[str, Any], epoch: int) -> None:
+    """The epoch file must come from the same planning run as ``summary.json``.
+
+    A plan interrupted half-way would otherwise leave new epoch files under an old summary.
+    """
+    if not path.exists():
+        raise StalePlanError(f"{path} is missing: rerun `dvc repro plan` (or `dflash plan`)")
+    raw = (pq.read_schema(path).metadata or {}).get(META_KEY)
+    if raw is None or json.loads(raw) != plan["meta"]:
+        raise StalePlanError(
+            f"{path} was not planned with data/plans/summary.json (epoch {epoch}): "
+            "rerun `dvc repro plan` (or `dflash plan`)"
         )

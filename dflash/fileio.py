@@ -1,0 +1,69 @@
+"""Durable file writes: a reader sees the old file or the new one, never half of one.
+
+Every stage output is written to a temporary file in the same directory and renamed over
+the target (``os.replace`` is atomic within a filesystem), so a run killed mid-write leaves
+no truncated JSON or Parquet for DVC, a resumed run or a trainer to trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write to; renamed over ``path`` on success.
+
+    Parents are created; on an exception the temporary file is removed and ``path`` is left
+    as it was. For writers that want a file name (``pyarrow.parquet.write_table``).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: str | Path, text: str, *, fsync: bool = False) -> None:
+    """Write ``text`` to ``path`` atomically; ``fsync`` also survives a power loss."""
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        f.write(text)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def write_json_atomic(path: str | Path, data: Any, *, sort_keys: bool = False) -> None:
+    """``data`` as indented JSON with a trailing newline, written atomically.
+
+    ``sort_keys`` stays off by default: most outputs keep their insertion order, and their
+    bytes (hence DVC hashes) should not change with this helper.
+    """
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")
+
+
+def sha256_file(path: str | Path) -> str:
+    """SHA-256 of a file, read in 1 MiB chunks so a multi-GB checkpoint costs no memory."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def reset_dir(path: str | Path) -> None:
+    """Empty a stage's output directory, so no file of a previous run survives beside new ones."""
+    path = Path(path)
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)

@@ -1,0 +1,47 @@
+"""Durable writes: a failed write leaves the old file, a finished one leaves no temporary."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from dflash.fileio import (
+    atomic_path,
+    reset_dir,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
+
+
+def test_writes_create_parents_and_leave_no_temporary(tmp_path):
+    path = tmp_path / "a" / "b" / "out.json"
+    write_json_atomic(path, {"b": 1, "a": [1, 2]})
+    assert path.read_text() == json.dumps({"b": 1, "a": [1, 2]}, indent=2) + "\n"
+    write_json_atomic(path, {"b": 1, "a": 2}, sort_keys=True)
+    assert path.read_text().index('"a"') < path.read_text().index('"b"')
+    write_text_atomic(path, "x", fsync=True)
+    assert path.read_text() == "x"
+    assert [p.name for p in path.parent.iterdir()] == ["out.json"]
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path):
+    path = tmp_path / "out.txt"
+    write_text_atomic(path, "old")
+    with pytest.raises(RuntimeError), atomic_path(path) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed")
+    assert path.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+def test_sha256_file_and_reset_dir(tmp_path):
+    data = bytes(range(256)) * 5000
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(data)
+    assert sha256_file(tmp_path / "d" / "f") == hashlib.sha256(data).hexdigest()
+    reset_dir(tmp_path / "d")
+    reset_dir(tmp_path / "new" / "dir")
+    assert list((tmp_path / "d").iterdir()) == [] and (tmp_path / "new" / "dir").is_dir()
