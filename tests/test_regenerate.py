@@ -140,7 +140,9 @@ def test_regenerate_false_copies_the_training_split(workspace):
 
 
 def test_no_room_for_a_prompt_is_a_clear_error(workspace):
-    with pytest.raises(ValueError, match="regenerate.max_new_tokens = 96: must be below data.max_seq_len"):
+    with pytest.raises(
+        ValueError, match="regenerate.max_new_tokens = 96: must be below data.max_seq_len"
+    ):
         run_stages(workspace, ["regenerate"], [*REGENERATE, "regenerate.max_new_tokens=96"])
 
 
