@@ -213,3 +213,18 @@ def test_data_worker_error_stops_the_run_quickly(tiny_workspace):
     assert proc.returncode != 0
     assert "the plan was made from other tokenized data" in out
     assert time.time() - start < 120
+
+
+@pytest.mark.slow
+def test_dflash_train_launches_torchrun_itself(tiny_workspace):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.cli", "train", "--set", "train.epochs=1"],
+        cwd=tiny_workspace,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tiny_workspace / "metrics/train.json").read_text())
+    assert metrics["world_size"] == 2
