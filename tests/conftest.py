@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import resolve
 from dflash.config import load_config
@@ -50,6 +51,28 @@ TINY_PARAMS = {
     "evaluate": {"num_prompts": 4, "max_new_tokens": 12},
     "logging": {"wandb": "disabled", "every": 1},
 }
+
+
+def tiny_qwen3(
+    vocab_size: int = 300,
+    hidden_size: int = 32,
+    num_hidden_layers: int = 6,
+    intermediate_size: int = 64,
+    seed: int = 0,
+) -> Qwen3ForCausalLM:
+    """A seeded, randomly initialised Qwen3 target with 4 query and 2 key/value heads."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        intermediate_size=intermediate_size,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
 
 DATA_STAGES = ["ingest", "tokenizer", "target", "regenerate", "tokenize", "stats", "plan"]
 

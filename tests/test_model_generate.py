@@ -4,7 +4,8 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from conftest import tiny_qwen3
+from transformers import Qwen3ForCausalLM
 
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features
@@ -18,11 +19,7 @@ PROMPTS = [[5], [1, 2, 3], [40, 41, 42, 43, 44, 45], [7, 250, 7, 250, 7]]
 
 @pytest.fixture(scope="module")
 def target() -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=300, hidden_size=48, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                         intermediate_size=96)  # fmt: skip
-    return Qwen3ForCausalLM(config).eval()
+    return tiny_qwen3(hidden_size=48, intermediate_size=96)
 
 
 def new_drafter(target, seed: int = 0) -> DFlashDrafter:
@@ -114,7 +111,6 @@ def test_save_and_load_round_trip(target, overfit, tmp_path):
 
 def test_loading_against_the_wrong_target_is_refused(target, tmp_path):
     new_drafter(target).save_pretrained(tmp_path)
-    other = Qwen3ForCausalLM(Qwen3Config(vocab_size=300, hidden_size=32, num_hidden_layers=6,
-                                         num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    other = tiny_qwen3(hidden_size=32)
     with pytest.raises(ValueError, match="hidden"):
         DFlashDrafter.from_pretrained(tmp_path, other)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from conftest import tiny_qwen3
 
 from dflash.model.attention import attend, block_mask_mod, build_block_mask
 from dflash.model.drafter import DFlashDrafter
@@ -83,11 +83,7 @@ def test_blind_queries_give_zeros_and_finite_gradients():
 
 def test_drafter_ignores_context_at_and_after_the_anchor():
     """Behavioural check of the strict ``<``: features at the anchor must not leak."""
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=5,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         intermediate_size=64)  # fmt: skip
-    target = Qwen3ForCausalLM(config)
+    target = tiny_qwen3(vocab_size=64, num_hidden_layers=5)
     drafter = DFlashDrafter.from_target(
         target, block_size=BS, num_hidden_layers=2, num_target_features=2, mask_token_id=63
     )

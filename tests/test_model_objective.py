@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from conftest import tiny_qwen3
+from transformers import Qwen3ForCausalLM
 
 from dflash.model.anchors import sample_anchors
 from dflash.model.drafter import DFlashDrafter
@@ -18,11 +19,7 @@ MASK = 299
 
 @pytest.fixture(scope="module")
 def target() -> Qwen3ForCausalLM:
-    torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=300, hidden_size=32, num_hidden_layers=5,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         intermediate_size=64)  # fmt: skip
-    return Qwen3ForCausalLM(config).eval()
+    return tiny_qwen3(num_hidden_layers=5)
 
 
 @pytest.fixture(scope="module")
