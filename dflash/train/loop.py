@@ -97,10 +97,10 @@ class Trainer:
         ).to(ctx.device)
         self.layer_ids = self.drafter.config.target_layer_ids
         self.model = DrafterDDP(self.drafter) if ctx.enabled else self.drafter
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = config.train
         self.optimizer = torch.optim.AdamW(
-            params,
+            self.params,
             lr=t.lr,
             betas=t.betas,
             weight_decay=t.weight_decay,
@@ -314,8 +314,7 @@ class Trainer:
         totals = all_reduce_sum(ctx, torch.cat([loss_sum[None], correct, counted]))
         loss = totals[0].item() / max(weight, 1e-12)
         correct, counted = totals[1 : 1 + c.drafter.block_size], totals[1 + c.drafter.block_size :]
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, c.train.clip_grad).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.train.clip_grad).item()
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(loss) and math.isfinite(grad_norm) and weight > 0
         if finite:
