@@ -34,6 +34,31 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+@contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """A fresh temporary directory beside ``path`` to fill; it replaces ``path`` whole on success.
+
+    Multi-file outputs (a train split beside a held-out split, a tokenizer, a token store) then
+    appear complete or not at all: a run killed while writing leaves the old directory, or none,
+    never a mix of old and new files. On an exception the temporary directory is removed.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def write_text_atomic(path: str | Path, text: str, *, fsync: bool = False) -> None:
     """Write ``text`` to ``path`` atomically; ``fsync`` also survives a power loss."""
     with atomic_path(path) as tmp, open(tmp, "w") as f:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from dflash.fileio import (
+    atomic_dir,
     atomic_path,
     reset_dir,
     sha256_file,
@@ -45,3 +46,19 @@ def test_sha256_file_and_reset_dir(tmp_path):
     reset_dir(tmp_path / "d")
     reset_dir(tmp_path / "new" / "dir")
     assert list((tmp_path / "d").iterdir()) == [] and (tmp_path / "new" / "dir").is_dir()
+
+
+def test_atomic_dir_replaces_whole_or_keeps_old(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("half")
+        raise RuntimeError("killed between writes")
+    assert sorted(p.name for p in out.iterdir()) == ["stale.txt"]
+    assert not (tmp_path / "out.tmp").exists()
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("new")
+        (tmp / "b.txt").write_text("new")
+    assert sorted(p.name for p in out.iterdir()) == ["a.txt", "b.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
