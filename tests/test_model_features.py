@@ -1,0 +1,86 @@
+"""Target features: only the fused layers are kept, the stack stops early, results unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_qwen3
+
+from dflash.model.features import (
+    decoder_layers,
+    document_attention_mask,
+    select_features,
+    target_features,
+)
+
+LAYERS = [1, 3]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3(num_hidden_layers=6)
+
+
+def reference_features(target, ids, pos, docs, layer_ids):
+    """The former computation: every hidden state of the whole model, an fp32 additive mask."""
+    T = ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    allowed = causal & (docs[:, :, None] == docs[:, None, :])
+    additive = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        out = target(
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=additive[:, None],
+            output_hidden_states=True,
+            use_cache=False,
+        )
+    return select_features(out.hidden_states, layer_ids) * (docs >= 0)[..., None]
+
+
+def padded_rows():
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(24).repeat(2, 1)
+    docs = torch.zeros(2, 24, dtype=torch.long)
+    docs[1, 17:] = -1
+    return ids, pos, docs
+
+
+def packed_rows():
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    docs = torch.tensor([[0] * 9 + [1] * 10 + [2] * 5, [0] * 14 + [1] * 6 + [-1] * 4])
+    pos = torch.cat([torch.arange(9), torch.arange(10), torch.arange(5)]).repeat(2, 1)
+    pos[1] = torch.cat([torch.arange(14), torch.arange(6), torch.arange(4)])
+    return ids, pos, docs
+
+
+@pytest.mark.parametrize("rows", [padded_rows, packed_rows])
+def test_same_features_as_the_whole_stack(target, rows):
+    ids, pos, docs = rows()
+    got = target_features(target, ids, pos, docs, LAYERS)
+    want = reference_features(target, ids, pos, docs, LAYERS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_above_the_deepest_fused_one_and_the_lm_head_never_run(target):
+    ran = []
+    layers = decoder_layers(target)
+    hooks_before = [len(layer._forward_hooks) for layer in layers]
+    modules = {f"layer{i}": layer for i, layer in enumerate(layers)} | {"lm_head": target.lm_head}
+    handles = [
+        m.register_forward_hook(lambda m, a, o, name=name: ran.append(name))
+        for name, m in modules.items()
+    ]
+    try:
+        target_features(target, *padded_rows(), LAYERS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert ran == ["layer0", "layer1", "layer2", "layer3"]
+    assert [len(layer._forward_hooks) for layer in layers] == hooks_before  # ours are removed
+
+
+def test_rows_of_one_document_need_no_mask():
+    assert document_attention_mask(padded_rows()[2]) is None
+    mask = document_attention_mask(packed_rows()[2])
+    assert mask.dtype == torch.bool and mask.shape == (2, 1, 24, 24)
