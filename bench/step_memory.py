@@ -1,0 +1,175 @@
+"""Peak memory and time of one full DFlash training step at real shapes, on random models.
+
+``python bench/step_memory.py --vocab 151936 --hidden 256 --layers 4 --seq-len 8192 --rows 1
+--anchors 512 --block-size 16 --json`` builds a random Qwen3-shaped target and a drafter from
+the flags alone (no files), runs one training step on one micro-batch (target features, drafter
+forward, loss, backward, AdamW step) and prints one JSON line. Peak RSS is the whole process's
+high-water mark, so run one shape per process: ``--table`` does that for a grid of sequence
+lengths and anchor counts and prints a Markdown table.
+
+What carries over to a GPU is the growth, not the seconds: a shape whose step does not fit in
+CPU memory holds the same tensors on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash.model.anchors import sample_anchors
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.features import target_features, target_layer_ids
+from dflash.model.objective import dflash_objective
+
+GAMMA = 7.0
+HEAD_DIM = 64
+
+
+def peak_rss_mib() -> float:
+    """High-water resident memory of this process (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def build_models(args: argparse.Namespace) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
+    torch.manual_seed(0)
+    heads = max(1, args.hidden // HEAD_DIM)
+    config = Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=args.hidden // heads,
+        intermediate_size=3 * args.hidden,
+        max_position_embeddings=max(args.seq_len, 4096),
+    )
+    target = Qwen3ForCausalLM(config).eval().requires_grad_(False)
+    features = args.target_features or min(3, max(1, args.layers - 3))
+    drafter = DFlashDrafter.from_target(
+        target,
+        block_size=args.block_size,
+        num_hidden_layers=args.drafter_layers,
+        num_target_features=features,
+        mask_token_id=args.vocab - 1,
+    )
+    return target, drafter
+
+
+def micro_batch(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """``rows`` rows of one ``seq_len``-token document each; anchors drawn as in training."""
+    rng = np.random.default_rng(0)
+    shape = (args.rows, args.seq_len)
+    ids = torch.as_tensor(rng.integers(0, args.vocab - 1, size=shape))
+    loss_mask = torch.ones(shape, dtype=torch.long)
+    documents = torch.zeros(shape, dtype=torch.long)
+    positions = torch.arange(args.seq_len).repeat(args.rows, 1)
+    anchors = torch.as_tensor(
+        np.stack(
+            [
+                sample_anchors(np.ones(args.seq_len), args.block_size, args.anchors, rng)
+                for _ in range(args.rows)
+            ]
+        )
+    )
+    return ids, loss_mask, documents, positions, anchors
+
+
+def limit_memory(gib: float | None) -> None:
+    """Cap the address space, so a shape that cannot fit fails alone instead of the machine."""
+    if gib:
+        limit = int(gib * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def one_step(args: argparse.Namespace) -> dict:
+    target, drafter = build_models(args)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    ids, loss_mask, documents, positions, anchors = micro_batch(args)
+    layers = target_layer_ids(args.layers, len(drafter.config.target_layer_ids))
+    rss_models = peak_rss_mib()
+    start = time.perf_counter()
+    features = target_features(target, ids, positions, documents, layers)
+    out = dflash_objective(drafter, features, ids, loss_mask, documents, positions, anchors, GAMMA)
+    (out.loss_sum / out.weight_sum).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    step_s = time.perf_counter() - start
+    return {
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "models_rss_mib": round(rss_models, 1),
+        "step_s": round(step_s, 3),
+        "tokens": args.rows * args.seq_len,
+        "anchors": int((anchors >= 0).sum()),
+        "labels": int(out.counted.sum()),
+        "vocab": args.vocab,
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "block_size": args.block_size,
+        "loss": round(float(out.loss_sum.detach() / out.weight_sum), 4),
+    }
+
+
+def table(args: argparse.Namespace) -> None:
+    """One fresh process per shape, so each peak is that shape's own."""
+    print("| seq-len | anchors | peak RSS (MiB) | models alone (MiB) | step (s) |")
+    print("|---|---|---|---|---|")
+    for seq_len in (2048, 4096, 8192):
+        for anchors in (128, 512):
+            flags = [
+                f"--vocab={args.vocab}",
+                f"--hidden={args.hidden}",
+                f"--layers={args.layers}",
+                f"--seq-len={seq_len}",
+                f"--rows={args.rows}",
+                f"--anchors={anchors}",
+                f"--block-size={args.block_size}",
+                f"--max-gib={args.max_gib or 0}",
+                "--json",
+            ]
+            run = subprocess.run(
+                [sys.executable, __file__, *flags], capture_output=True, text=True, check=False
+            )
+            if run.returncode:
+                why = "out of memory" if "alloc" in run.stderr.lower() else "failed"
+                print(f"| {seq_len:,} | {anchors} | > {args.max_gib} GiB: {why} | | |")
+                continue
+            r = json.loads(run.stdout.strip().splitlines()[-1])
+            print(
+                f"| {seq_len:,} | {anchors} | {r['peak_rss_mib']:,.0f} | "
+                f"{r['models_rss_mib']:,.0f} | {r['step_s']:.2f} |"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--anchors", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--drafter-layers", type=int, default=1)
+    parser.add_argument("--target-features", type=int, default=None)
+    parser.add_argument("--max-gib", type=float, default=None, help="address-space cap")
+    parser.add_argument("--json", action="store_true", help="one JSON line instead of text")
+    parser.add_argument("--table", action="store_true", help="seq-len x anchors grid, Markdown")
+    args = parser.parse_args()
+    if args.table:
+        table(args)
+        return
+    limit_memory(args.max_gib)
+    result = one_step(args)
+    print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()
