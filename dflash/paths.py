@@ -5,6 +5,9 @@ These are the contracts in DESIGN.md; ``dvc.yaml`` names the same paths.
 
 from pathlib import Path
 
+RAW = Path("data/raw")
+"""User-supplied datasets (``data.source``), tracked by ``dvc add``; a dep of ``ingest``."""
+
 INGESTED = Path("data/ingested")
 CONVERSATIONS = INGESTED / "conversations.parquet"
 """Training split: ``conversation_id`` (string), ``messages`` (list of {role, content})."""
