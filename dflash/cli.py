@@ -161,7 +161,8 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
     try:
         return run_stage(stage, config)
     except USER_ERRORS as err:
-        print(f"dflash {stage}: {err}", file=sys.stderr)
+        missing = isinstance(err, FileNotFoundError) and err.filename
+        print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)
         return 2
 
 

@@ -60,8 +60,6 @@ class DataConfig:
                 "path), where dvc.yaml tracks it: copy it there and `dvc add` it, or "
                 "`dvc import-url` it there"
             )
-        if not Path(self.source).is_file():
-            raise ConfigError(f"data.source = {self.source!r}: no such file")
 
 
 @dataclass(frozen=True)
@@ -454,7 +452,9 @@ def restrict(config: Config, allowed: typing.Iterable[str], stage: str) -> Confi
 
 def unwrap(config: Config) -> Config:
     """The whole ``Config`` behind a view: to hand params on to a child process, not to read."""
-    return config._node if isinstance(config, ParamsView) else config
+    while isinstance(config, ParamsView):
+        config = config._node
+    return config
 
 
 def _covered(key: str, allowed: frozenset[str]) -> bool:

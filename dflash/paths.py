@@ -37,6 +37,8 @@ PLAN_METRICS = Path("metrics/plan.json")
 
 DRAFTER = Path("models/drafter")
 CHECKPOINTS = Path("checkpoints")
+CHECKPOINT_NAME = "step_{step:08d}.pt"
+CHECKPOINT_GLOB = "step_*.pt"
 TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_PLOTS = Path("plots/train")
 EVAL_METRICS = Path("metrics/eval.json")

@@ -23,7 +23,8 @@ from dflash.batching.errors import (
 from dflash.batching.layout import greedy_chunks
 from dflash.batching.lengths import read_lengths
 from dflash.batching.metrics import structure
-from dflash.batching.plan import PlanParams, main, plan_epoch, plan_meta, write_plans
+from dflash.batching.params import PlanParams
+from dflash.batching.plan import main, plan_epoch, plan_meta, write_plans
 from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import check_epoch, validate_plans
 

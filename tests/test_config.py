@@ -61,7 +61,6 @@ def test_explicit_boundaries_list():
         ("batching.token_budget=512", ["batching.token_budget", "512", "data.max_seq_len"]),
         ("data.source=/tmp/corpus.jsonl", ["data.source", "data/raw"]),
         ("data.source=data/raw/../x.jsonl", ["data.source", "data/raw"]),
-        ("data.source=data/raw/missing.jsonl", ["data.source", "no such file"]),
         ("train.lr=[1", ["--set", "not valid YAML"]),
     ],
 )
@@ -111,7 +110,7 @@ def test_a_missing_source_file_exits_2(tmp_path):
     (tmp_path / "params.yaml").write_text("data:\n  source: data/raw/gone.jsonl\n")
     proc = cli(tmp_path, "ingest")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "data.source" in proc.stderr and "gone.jsonl" in proc.stderr
+    assert "data/raw/gone.jsonl" in proc.stderr
 
 
 def test_cli_reports_bad_param_and_exits_2(tmp_path):

@@ -109,3 +109,15 @@ def test_file_names_live_in_paths():
 def test_declaration_helper_sees_lazy_imports():
     modules = closure(stage_script(dvc_stages()["train"]), "train")
     assert Path("dflash/train/loop.py") in modules  # imported inside launch.run
+
+
+def test_every_from_pretrained_stays_local():
+    """A mistyped path must fail, not reach for a model hub."""
+    import re
+
+    calls = re.compile(
+        r"(AutoModel\w*|AutoTokenizer|AutoConfig)\.from_pretrained\(([^()]|\([^()]*\))*\)"
+    )
+    for path in [*ROOT.glob("dflash/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("bench/*.py")]:
+        for match in calls.finditer(path.read_text()):
+            assert "local_files_only=True" in match.group(0), f"{path}: {match.group(0)}"

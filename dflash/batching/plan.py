@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +24,11 @@ from dflash.batching.distribute import distribute
 from dflash.batching.errors import BatchingError
 from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import epoch_metrics, overall
+from dflash.batching.params import PlanParams
 from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import validate_plans
 from dflash.config import Config
 from dflash.fileio import write_json_atomic
-
-
-@dataclass(frozen=True)
-class PlanParams:
-    strategy: str
-    token_budget: int
-    max_seq_len: int
-    max_batch_size: int
-    world_size: int = 1
-    grad_accum: int = 1
-    seed: int = 0
-    boundaries: tuple[int, ...] | None = None
-    """Resolved bucket edges; only ``bucketed`` uses them."""
 
 
 def plan_epoch(lengths: np.ndarray, params: PlanParams, epoch: int) -> pa.Table:

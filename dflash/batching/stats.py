@@ -20,7 +20,8 @@ from dflash import paths
 from dflash.batching.boundaries import METHODS, boundaries_by, predicted_efficiency
 from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import structure
-from dflash.batching.plan import PlanParams, plan_epoch
+from dflash.batching.params import PlanParams
+from dflash.batching.plan import plan_epoch
 from dflash.config import Config
 from dflash.fileio import atomic_path, write_json_atomic
 

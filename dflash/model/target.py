@@ -8,7 +8,6 @@ default Qwen3 is pretrained here (see ``dflash.model.pretrain``) and saved in fu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -21,6 +20,7 @@ from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import reset_dir, write_json_atomic
+from dflash.fingerprint import digest, path_digest
 from dflash.model.pretrain import (
     build_tiny_target,
     encode_windows,
@@ -56,18 +56,29 @@ def load_target(
     """Load the target frozen and in eval mode, in the dtype that suits ``device``."""
     device = torch.device(device) if device is not None else target_device_dtype()[0]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(resolve_target_path(path_or_dir), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_target_path(path_or_dir), dtype=dtype, local_files_only=True
+    )
     model.to(device)
     model.requires_grad_(False)
     model.eval()
     return model
 
 
+def target_digest(directory: Path) -> str:
+    """Digest of the target's files; for a reference, of the local model it points to too."""
+    parts = {"directory": path_digest(directory)}
+    resolved = Path(resolve_target_path(directory))
+    if resolved != directory and resolved.exists():
+        parts["referenced"] = path_digest(resolved)
+    return digest(parts)
+
+
 def config_hash(model: PreTrainedModel) -> str:
     """Fingerprint of the architecture, so a changed target invalidates what depends on it."""
     summary = model.config.to_dict()
     summary.pop("transformers_version", None)
-    return hashlib.sha256(json.dumps(summary, sort_keys=True, default=str).encode()).hexdigest()
+    return digest(summary)
 
 
 def score_heldout(
