@@ -106,6 +106,21 @@ STAGES: dict[str, Stage] = {
 }
 
 
+def at_least(low: int):
+    """An argparse type for integers >= ``low``: a bad value exits 2 naming flag and bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= {low}")
+        return value
+
+    return parse
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--params", default="params.yaml", help="params file (default: params.yaml)"

@@ -86,6 +86,34 @@ def sha256_file(path: str | Path) -> str:
     return sha.hexdigest()
 
 
+def require_only(directory: str | Path, patterns: list[str]) -> None:
+    """Refuse to replace ``directory`` whole if it holds files no pattern names.
+
+    Guards an output directory a user names (``--out DIR``) before ``atomic_dir`` swaps it.
+    """
+    directory = Path(directory)
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise FileExistsError(f"{directory} exists and is not a directory")
+    strangers = [p.name for p in directory.iterdir() if not any(p.match(g) for g in patterns)]
+    if strangers:
+        raise FileExistsError(
+            f"{directory} holds {', '.join(sorted(strangers)[:3])}, which this writer did not "
+            "make; it replaces the directory whole, so give it an empty or own directory"
+        )
+
+
+def remove_files(*files: str | Path) -> None:
+    """Remove outputs that are about to be rewritten together, before any new one is written.
+
+    For an output set that spans directories (no single rename can swap it): the last file
+    written then marks completion, and an interrupted run leaves it absent, never stale.
+    """
+    for file in files:
+        Path(file).unlink(missing_ok=True)
+
+
 def reset_dir(path: str | Path) -> None:
     """Empty a stage's output directory, so no file of a previous run survives beside new ones."""
     path = Path(path)

@@ -31,7 +31,15 @@ TOKENIZE_REPORT = TOKENIZED / "tokenize_report.json"
 TOKEN_MANIFEST = TOKENIZED / "manifest.json"
 
 STATS = Path("data/stats")
+STATS_LENGTHS = STATS / "lengths.json"
+STATS_BUCKETS = STATS / "buckets.json"
+"""Bucket edges by every method, with predicted and simulated padding efficiency."""
+STATS_HISTOGRAM = STATS / "histogram.csv"
+STATS_PLOT = STATS / "lengths.png"
 PLANS = Path("data/plans")
+PLAN_EPOCH = "epoch_{epoch:03d}.parquet"
+PLAN_EPOCH_GLOB = "epoch_*.parquet"
+PLAN_SUMMARY = "summary.json"
 PLAN_METRICS = Path("metrics/plan.json")
 """The flat overall figures of ``data/plans/summary.json``, for ``dvc exp show``."""
 
@@ -43,3 +51,4 @@ TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_PLOTS = Path("plots/train")
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_PLOTS = Path("plots/eval")
+EVAL_ACCEPTANCE = EVAL_PLOTS / "acceptance.csv"

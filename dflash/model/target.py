@@ -19,7 +19,7 @@ from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import load_tokenizer
-from dflash.fileio import reset_dir, write_json_atomic
+from dflash.fileio import atomic_dir, remove_files, write_json_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.pretrain import (
     build_tiny_target,
@@ -118,10 +118,11 @@ def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None
         "vocab_size": model.config.vocab_size,
         "config_sha256": config_hash(model),
     }
-    reset_dir(paths.TARGET)
-    write_json_atomic(paths.TARGET / REFERENCE_FILE, reference)
     metrics = {"mode": "reference", "parameters": model.num_parameters()}
     metrics |= score_heldout(model, tokenizer, config.data.max_seq_len, REFERENCE_EVAL_ROWS)
+    remove_files(paths.TARGET_METRICS)
+    with atomic_dir(paths.TARGET) as tmp:
+        write_json_atomic(tmp / REFERENCE_FILE, reference)
     write_json_atomic(paths.TARGET_METRICS, metrics)
     print(f"target: reference to {reference['path']} ({model.config.model_type})")
 
@@ -137,9 +138,10 @@ def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
     metrics["tokens_beyond_max_seq_len"] = cut
     metrics |= pretrain(model, input_ids, labels, config.target)
     metrics |= score_heldout(model, tokenizer, max_seq_len)
-    reset_dir(paths.TARGET)
-    model.save_pretrained(str(paths.TARGET))
-    tokenizer.save_pretrained(str(paths.TARGET))
+    remove_files(paths.TARGET_METRICS)
+    with atomic_dir(paths.TARGET) as tmp:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
     write_json_atomic(paths.TARGET_METRICS, metrics)
     print(
         f"target: {metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "
