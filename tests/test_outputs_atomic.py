@@ -100,3 +100,19 @@ def test_plan_and_stats_clis_reject_out_of_domain_values(tmp_path, module, args,
     for word in words:
         assert word in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_gitignore_dvc_keeps_in_an_output_directory_survives(tmp_path):
+    from dflash.fileio import atomic_dir, require_only
+
+    out = tmp_path / "stats"
+    out.mkdir()
+    (out / ".gitignore").write_text("/buckets.json\n")
+    (out / "buckets.json").write_text("old")
+    require_only(out, ["buckets.json"])
+    with atomic_dir(out) as tmp:
+        (tmp / "buckets.json").write_text("new")
+    assert snapshot(out) == {
+        out.joinpath(".gitignore").relative_to(out): b"/buckets.json\n",
+        out.joinpath("buckets.json").relative_to(out): b"new",
+    }

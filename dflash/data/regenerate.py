@@ -279,6 +279,7 @@ def copy_conversations() -> dict:
     """``data.regenerate: false``: the training split passes through unchanged."""
     with atomic_path(paths.REGENERATED_CONVERSATIONS) as tmp:
         shutil.copyfile(paths.CONVERSATIONS, tmp)
+    paths.REGENERATED_SHARDS.mkdir(exist_ok=True)  # a declared out, even when left empty
     return {"skipped": True, "conversations": count_conversations(paths.CONVERSATIONS)}
 
 
