@@ -17,6 +17,8 @@ INGEST_REPORT = INGESTED / "ingest_report.json"
 
 TOKENIZER = Path("models/tokenizer")
 TARGET = Path("models/target")
+TARGET_REFERENCE = "dflash_target.json"
+"""In a target directory: the reference to a model that is not copied (``target.path``)."""
 TARGET_METRICS = Path("metrics/target.json")
 
 REGENERATED = Path("data/regenerated")
@@ -49,6 +51,7 @@ CHECKPOINT_NAME = "step_{step:08d}.pt"
 CHECKPOINT_GLOB = "step_*.pt"
 TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_PLOTS = Path("plots/train")
+TRAIN_LOG = TRAIN_PLOTS / "log.csv"
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_PLOTS = Path("plots/eval")
 EVAL_ACCEPTANCE = EVAL_PLOTS / "acceptance.csv"

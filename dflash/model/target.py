@@ -30,7 +30,6 @@ from dflash.model.pretrain import (
 )
 from dflash.threads import set_cpu_threads
 
-REFERENCE_FILE = "dflash_target.json"
 REFERENCE_EVAL_ROWS = 64
 """Held-out rows of ``max_seq_len`` a referenced (possibly huge) target is scored on."""
 
@@ -44,7 +43,7 @@ def target_device_dtype() -> tuple[torch.device, torch.dtype]:
 
 def resolve_target_path(path_or_dir: str | Path) -> str:
     """The model directory (or hub id) behind ``path_or_dir``, following a reference file."""
-    reference = Path(path_or_dir) / REFERENCE_FILE
+    reference = Path(path_or_dir) / paths.TARGET_REFERENCE
     if reference.is_file():
         return json.loads(reference.read_text())["path"]
     return str(path_or_dir)
@@ -122,7 +121,7 @@ def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None
     metrics |= score_heldout(model, tokenizer, config.data.max_seq_len, REFERENCE_EVAL_ROWS)
     remove_files(paths.TARGET_METRICS)
     with atomic_dir(paths.TARGET) as tmp:
-        write_json_atomic(tmp / REFERENCE_FILE, reference)
+        write_json_atomic(tmp / paths.TARGET_REFERENCE, reference)
     write_json_atomic(paths.TARGET_METRICS, metrics)
     print(f"target: reference to {reference['path']} ({model.config.model_type})")
 
