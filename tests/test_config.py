@@ -123,3 +123,20 @@ def test_cli_reports_bad_param_and_exits_2(tmp_path):
     )
     assert proc.returncode == 2
     assert "batching.strategy" in proc.stderr and "'bucketed'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=.nan", "train.lr"),
+        ("train.betas=[5, -1]", "train.betas[0]"),
+        ("target.num_attention_heads=0", "target.num_attention_heads"),
+        ("batching.token_budget=100", "batching.token_budget"),
+        ("train.epochs=0", "train.epochs"),
+    ],
+)
+def test_out_of_domain_values_exit_2_through_the_cli(tmp_path, override, key):
+    proc = cli(tmp_path, "train", "--params", str(ROOT / "params.yaml"), "--set", override)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert key in proc.stderr
+    assert "must" in proc.stderr or "finite" in proc.stderr
