@@ -116,3 +116,14 @@ def test_the_gitignore_dvc_keeps_in_an_output_directory_survives(tmp_path):
         out.joinpath(".gitignore").relative_to(out): b"/buckets.json\n",
         out.joinpath("buckets.json").relative_to(out): b"new",
     }
+
+
+def test_train_leaves_no_old_metrics_beside_a_new_drafter(tiny_workspace, monkeypatch):
+    os.chdir(tiny_workspace)
+    paths.TRAIN_METRICS.parent.mkdir(parents=True, exist_ok=True)
+    paths.TRAIN_METRICS.write_text('{"final_loss": 0.001}\n')
+    kill_on_call(monkeypatch, "dflash.train.loop.write_json_atomic")  # metrics come last
+    with pytest.raises(Killed):
+        run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
+    assert not paths.TRAIN_METRICS.exists()
+    assert sorted(p.name for p in paths.DRAFTER.iterdir()) == ["config.json", "model.safetensors"]

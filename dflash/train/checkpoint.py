@@ -22,7 +22,7 @@ import dflash
 from dflash import paths
 from dflash.cli import STAGES
 from dflash.config import Config, restrict, unwrap
-from dflash.fileio import atomic_dir, atomic_path, sha256_file, write_text_atomic
+from dflash.fileio import atomic_dir, atomic_path, remove_files, sha256_file, write_text_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.target import target_digest
 from dflash.train.distributed import barrier
@@ -175,6 +175,10 @@ def save(trainer: Trainer) -> None:
 def resume(trainer: Trainer) -> None:
     """Load the newest intact checkpoint of this run into ``trainer``, or start fresh."""
     ctx = trainer.ctx
+    if ctx.is_main:
+        # A run under way has no final metrics: a kill before it ends must not leave the
+        # previous run's beside a new drafter (the metrics are written last, after export).
+        remove_files(paths.TRAIN_METRICS)
     saved, skipped = load_latest(paths.CHECKPOINTS, trainer.fingerprint)
     if ctx.is_main:
         for reason in skipped:
