@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Stage commands in dvc.yaml call `python` and `torchrun`: put the venv first on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup repro test test-fast lint bench clean
+.PHONY: setup repro test test-fast lint check-declaration bench clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,10 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# dvc repro on tiny params in a temporary copy; then each change must rerun exactly its stages.
+check-declaration: setup
+	$(BIN)/python tests/ci_declaration.py
 
 bench: setup
 	$(BIN)/python bench/plan_bench.py

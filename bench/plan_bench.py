@@ -18,7 +18,8 @@ import numpy as np
 
 from dflash.batching.boundaries import METHODS, boundaries_by, predicted_efficiency
 from dflash.batching.metrics import epoch_metrics, overall, structure
-from dflash.batching.plan import PlanParams, plan_epoch
+from dflash.batching.params import PlanParams
+from dflash.batching.plan import plan_epoch
 from dflash.batching.strategies import STRATEGIES
 
 

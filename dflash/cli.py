@@ -9,21 +9,116 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from dataclasses import dataclass
 
-from dflash.config import Config, ConfigError, load_config
+from dflash.batching.errors import BatchingError
+from dflash.config import Config, ConfigError, load_config, restrict
 
-STAGES: dict[str, str] = {
-    "ingest": "dflash.data.ingest:run",
-    "tokenizer": "dflash.data.tokenizer:run",
-    "target": "dflash.model.target:run",
-    "regenerate": "dflash.data.regenerate:run",
-    "tokenize": "dflash.data.tokenize:run",
-    "stats": "dflash.batching.stats:run",
-    "plan": "dflash.batching.plan:run",
-    "train": "dflash.train.launch:run",
-    "evaluate": "dflash.eval.evaluate:run",
-    "report": "dflash.report:run",
+USER_ERRORS = (ConfigError, BatchingError, FileNotFoundError)
+"""Errors a user fixes (a param, an input file, a stage to run first): a message and exit 2,
+no traceback."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Where a stage's code starts and which params it reads: the one declaration of both.
+
+    ``params`` decide what the stage writes: ``dvc.yaml`` lists exactly these, so changing one
+    reruns the stage (a test holds the two equal). ``knobs`` change only how it runs (workers,
+    checkpoint cadence, logging sinks): read, never declared, so they rerun nothing. A stage
+    run through this module can read nothing else (``dflash.config.restrict``).
+    """
+
+    entry: str
+    params: tuple[str, ...] = ()
+    knobs: tuple[str, ...] = ()
+
+
+STAGES: dict[str, Stage] = {
+    "ingest": Stage(
+        "dflash.data.ingest:run",
+        params=("data.source", "data.eval_fraction", "data.max_conversations"),
+    ),
+    "tokenizer": Stage("dflash.data.tokenizer:run", params=("tokenizer",)),
+    "target": Stage("dflash.model.target:run", params=("target", "data.max_seq_len")),
+    "regenerate": Stage(
+        "dflash.data.regenerate:run",
+        params=("regenerate", "data.regenerate", "data.max_seq_len"),
+    ),
+    "tokenize": Stage(
+        "dflash.data.tokenize:run",
+        params=("data.max_seq_len", "data.overlength", "data.chunk_size", "drafter.block_size"),
+    ),
+    "stats": Stage(
+        "dflash.batching.stats:run",
+        params=(
+            "batching.num_buckets",
+            "batching.token_budget",
+            "batching.max_batch_size",
+            "batching.seed",
+            "data.max_seq_len",
+        ),
+    ),
+    "plan": Stage(
+        "dflash.batching.plan:run",
+        params=(
+            "batching",
+            "data.max_seq_len",
+            "train.epochs",
+            "train.world_size",
+            "train.grad_accum",
+        ),
+    ),
+    "train": Stage(
+        "dflash.train.launch:run",
+        params=(
+            "drafter",
+            "train.epochs",
+            "train.world_size",
+            "train.grad_accum",
+            "train.lr",
+            "train.warmup_ratio",
+            "train.weight_decay",
+            "train.betas",
+            "train.clip_grad",
+            "train.seed",
+            # The plan check compares these with the plan's own record of them.
+            "batching.strategy",
+            "batching.token_budget",
+            "batching.max_batch_size",
+            "batching.seed",
+            "data.max_seq_len",
+            # Shapes plots/train/log.csv and the final_accuracy of metrics/train.json.
+            "logging.every",
+        ),
+        knobs=(
+            "train.checkpoint_every",
+            "train.keep_checkpoints",
+            "train.max_nonfinite_steps",
+            "train.num_workers",
+            "train.prefetch",
+            "logging.wandb",
+            "logging.project",
+        ),
+    ),
+    "evaluate": Stage("dflash.eval.evaluate:run", params=("evaluate", "data.max_seq_len")),
+    "report": Stage("dflash.report:run"),
 }
+
+
+def at_least(low: int):
+    """An argparse type for integers >= ``low``: a bad value exits 2 naming flag and bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= {low}")
+        return value
+
+    return parse
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -45,13 +140,20 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def resolve(stage: str):
-    module, _, func = STAGES[stage].partition(":")
+    module, _, func = STAGES[stage].entry.partition(":")
     return getattr(importlib.import_module(module), func)
+
+
+def run_stage(stage: str, config: Config) -> int:
+    """Run ``stage`` on the params it declares, and on those only."""
+    declared = STAGES[stage]
+    result = resolve(stage)(restrict(config, declared.params + declared.knobs, stage))
+    return int(result or 0)
 
 
 def stage_main(stage: str, argv: list[str] | None = None) -> int:
     """Entry point of ``stages/<stage>.py``."""
-    parser = argparse.ArgumentParser(prog=f"stages/{stage}.py", description=f"dflash {stage}")
+    parser = argparse.ArgumentParser(prog=sys.argv[0], description=f"dflash {stage}")
     add_config_args(parser)
     return _run(stage, parser.parse_args(argv))
 
@@ -71,8 +173,12 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"dflash {stage}: bad params: {err}", file=sys.stderr)
         return 2
-    result = resolve(stage)(config)
-    return int(result or 0)
+    try:
+        return run_stage(stage, config)
+    except USER_ERRORS as err:
+        missing = isinstance(err, FileNotFoundError) and err.filename
+        print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

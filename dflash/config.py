@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
+
+from dflash import paths
 
 
 class ConfigError(ValueError):
@@ -41,10 +45,20 @@ class DataConfig:
         _check_min("data.chunk_size", self.chunk_size, 1)
         if self.max_conversations is not None:
             _check_min("data.max_conversations", self.max_conversations, 1)
-        if self.source != "chitchat" and not self.source.endswith((".jsonl", ".parquet")):
+        if self.source == "chitchat":
+            return
+        if not self.source.endswith((".jsonl", ".parquet")):
             raise ConfigError(
                 f"data.source = {self.source!r}: allowed are 'chitchat' or a path ending in "
                 "'.jsonl' or '.parquet'"
+            )
+        # ingest depends on paths.RAW in dvc.yaml: a file elsewhere could change unnoticed.
+        inside = Path(os.path.normpath(self.source)).parts[: len(paths.RAW.parts)]
+        if Path(self.source).is_absolute() or Path(*inside) != paths.RAW:
+            raise ConfigError(
+                f"data.source = {self.source!r}: a file must lie under {paths.RAW}/ (relative "
+                "path), where dvc.yaml tracks it: copy it there and `dvc add` it, or "
+                "`dvc import-url` it there"
             )
 
 
@@ -75,6 +89,12 @@ class TargetConfig:
     def validate(self) -> None:
         _check_min("target.num_hidden_layers", self.num_hidden_layers, 4)
         _check_min("target.hidden_size", self.hidden_size, 16)
+        _check_min("target.intermediate_size", self.intermediate_size, 1)
+        _check_min("target.num_attention_heads", self.num_attention_heads, 1)
+        _check_min("target.num_key_value_heads", self.num_key_value_heads, 1)
+        _check_min("target.pretrain_lr", self.pretrain_lr, 0.0)
+        _check_min("target.pretrain_batch_tokens", self.pretrain_batch_tokens, 1)
+        _check_min("target.seed", self.seed, 0)
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"target.hidden_size = {self.hidden_size}: must be a multiple of "
@@ -103,6 +123,7 @@ class RegenerateConfig:
         _check_min("regenerate.max_new_tokens", self.max_new_tokens, 1)
         _check_min("regenerate.batch_size", self.batch_size, 1)
         _check_min("regenerate.shard_size", self.shard_size, 1)
+        _check_min("regenerate.seed", self.seed, 0)
 
 
 @dataclass(frozen=True)
@@ -136,10 +157,13 @@ class BatchingConfig:
         _check_min("batching.token_budget", self.token_budget, 1)
         _check_min("batching.max_batch_size", self.max_batch_size, 1)
         _check_min("batching.num_buckets", self.num_buckets, 1)
-        if isinstance(self.boundaries, list) and sorted(set(self.boundaries)) != self.boundaries:
+        _check_min("batching.seed", self.seed, 0)
+        if isinstance(self.boundaries, list) and (
+            sorted(set(self.boundaries)) != self.boundaries or self.boundaries[:1] < [1]
+        ):
             raise ConfigError(
-                f"batching.boundaries = {self.boundaries!r}: an explicit list must be strictly "
-                "increasing"
+                f"batching.boundaries = {self.boundaries!r}: an explicit list must be positive "
+                "and strictly increasing"
             )
 
 
@@ -167,12 +191,17 @@ class TrainConfig:
         _check_min("train.grad_accum", self.grad_accum, 1)
         _check_min("train.lr", self.lr, 0.0)
         _check_range("train.warmup_ratio", self.warmup_ratio, 0.0, 1.0)
+        _check_min("train.weight_decay", self.weight_decay, 0.0)
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise ConfigError(f"train.betas[{i}] = {beta!r}: must be in [0, 1)")
         _check_min("train.clip_grad", self.clip_grad, 0.0)
         _check_min("train.checkpoint_every", self.checkpoint_every, 1)
         _check_min("train.keep_checkpoints", self.keep_checkpoints, 1)
         _check_min("train.max_nonfinite_steps", self.max_nonfinite_steps, 1)
         _check_min("train.num_workers", self.num_workers, 0)
         _check_min("train.prefetch", self.prefetch, 1)
+        _check_min("train.seed", self.seed, 0)
 
 
 @dataclass(frozen=True)
@@ -184,6 +213,7 @@ class EvaluateConfig:
     def validate(self) -> None:
         _check_min("evaluate.num_prompts", self.num_prompts, 1)
         _check_min("evaluate.max_new_tokens", self.max_new_tokens, 1)
+        _check_min("evaluate.seed", self.seed, 0)
 
 
 @dataclass(frozen=True)
@@ -213,17 +243,33 @@ class Config:
 
 
 def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = ()) -> Config:
-    """Read ``path`` (missing file = all defaults), apply ``key=value`` overrides, validate."""
+    """Read ``path``, apply ``key=value`` overrides, validate; ``path=None`` = code defaults.
+
+    A missing or empty params file is an error, not a silent run on the code's defaults
+    (which differ from the committed ``params.yaml``).
+    """
     raw: dict[str, Any] = {}
-    if path is not None and Path(path).exists():
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"params file {path} does not exist (see the committed params.yaml)")
+        raw = _parse_yaml(Path(path).read_text(), str(path))
+        if not raw:
+            raise ConfigError(f"params file {path} is empty: it must hold the param sections")
         if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-    elif path is not None and str(path) != "params.yaml":
-        raise ConfigError(f"params file {path} does not exist")
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {raw!r}")
     for item in overrides:
         apply_override(raw, item)
     return from_dict(raw)
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}:{line} not valid YAML ({problem})") from None
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -237,7 +283,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item!r}: {part} is not a section")
-    node[leaf] = yaml.safe_load(value)
+    node[leaf] = _parse_yaml(value, f"--set {item!r}")
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -260,6 +306,12 @@ def _validate_across(config: Config) -> None:
                 f"{key} = {new}: must be below data.max_seq_len = {seq}, which must also hold "
                 "the prompt"
             )
+    budget = config.batching.token_budget
+    if budget < seq:
+        raise ConfigError(
+            f"batching.token_budget = {budget}: must be >= data.max_seq_len = {seq}, so a "
+            "micro-batch can hold the longest sample"
+        )
     if 2 * config.drafter.block_size > seq:
         raise ConfigError(
             f"drafter.block_size = {config.drafter.block_size}: two blocks must fit in "
@@ -333,6 +385,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key} = {value!r}: expected a number")
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} = {value!r}: expected a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -349,3 +403,59 @@ def _check_min(key: str, value: float, low: float) -> None:
 def _check_range(key: str, value: float, low: float, high: float) -> None:
     if not low <= value <= high:
         raise ConfigError(f"{key} = {value!r}: must be between {low} and {high}")
+
+
+class UndeclaredParamError(RuntimeError):
+    """A stage read a param its declaration in ``dflash.cli.STAGES`` does not list."""
+
+
+class ParamsView:
+    """The params one stage may read; reading any other raises ``UndeclaredParamError``.
+
+    ``dvc.yaml`` reruns a stage only when a param it declares changes, so a param read but not
+    declared is a silent staleness bug: the view turns it into an error at the first read.
+    ``allowed`` holds dotted keys; a section name allows the whole section.
+    """
+
+    def __init__(self, node: Any, allowed: frozenset[str], stage: str, prefix: str = "") -> None:
+        self._node, self._allowed, self._stage, self._prefix = node, allowed, stage, prefix
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        value = getattr(self._node, name)
+        key = self._prefix + name
+        if _covered(key, self._allowed):
+            return value
+        if dataclasses.is_dataclass(value):
+            return ParamsView(value, self._allowed, self._stage, key + ".")
+        raise UndeclaredParamError(
+            f"stage {self._stage!r} read param {key}, which its declaration in dflash.cli.STAGES "
+            "does not list: declare it there and in dvc.yaml"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The readable params only, nested by section (what a run logs as its config)."""
+        full = unwrap(self).to_dict()
+        out: dict[str, Any] = {}
+        for key in sorted(self._allowed):
+            section, _, leaf = key.partition(".")
+            value = full[section] if not leaf else {leaf: full[section][leaf]}
+            out.setdefault(section, {}).update(value)
+        return out
+
+
+def restrict(config: Config, allowed: typing.Iterable[str], stage: str) -> Config:
+    """``config`` seen through a ``ParamsView`` that allows only ``allowed``."""
+    return typing.cast(Config, ParamsView(config, frozenset(allowed), stage))
+
+
+def unwrap(config: Config) -> Config:
+    """The whole ``Config`` behind a view: to hand params on to a child process, not to read."""
+    while isinstance(config, ParamsView):
+        config = config._node
+    return config
+
+
+def _covered(key: str, allowed: frozenset[str]) -> bool:
+    return key in allowed or any(key.startswith(a + ".") for a in allowed)

@@ -34,6 +34,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+KEPT = (".gitignore",)
+"""Files of an output directory that belong to the repository, not to the stage's output."""
+
+
 @contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """A fresh temporary directory beside ``path`` to fill; it replaces ``path`` whole on success.
@@ -41,6 +45,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     Multi-file outputs (a train split beside a held-out split, a tokenizer, a token store) then
     appear complete or not at all: a run killed while writing leaves the old directory, or none,
     never a mix of old and new files. On an exception the temporary directory is removed.
+    A ``.gitignore`` that DVC keeps inside ``path`` for its outputs is carried over.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,6 +53,9 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     old = path.with_name(path.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    for name in KEPT:
+        if (path / name).is_file():
+            shutil.copy2(path / name, tmp / name)
     try:
         yield tmp
         shutil.rmtree(old, ignore_errors=True)
@@ -84,6 +92,35 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             sha.update(chunk)
     return sha.hexdigest()
+
+
+def require_only(directory: str | Path, patterns: list[str]) -> None:
+    """Refuse to replace ``directory`` whole if it holds files no pattern names.
+
+    Guards an output directory a user names (``--out DIR``) before ``atomic_dir`` swaps it.
+    """
+    directory = Path(directory)
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise FileExistsError(f"{directory} exists and is not a directory")
+    known = [*patterns, *KEPT]
+    strangers = [p.name for p in directory.iterdir() if not any(p.match(g) for g in known)]
+    if strangers:
+        raise FileExistsError(
+            f"{directory} holds {', '.join(sorted(strangers)[:3])}, which this writer did not "
+            "make; it replaces the directory whole, so give it an empty or own directory"
+        )
+
+
+def remove_files(*files: str | Path) -> None:
+    """Remove outputs that are about to be rewritten together, before any new one is written.
+
+    For an output set that spans directories (no single rename can swap it): the last file
+    written then marks completion, and an interrupted run leaves it absent, never stale.
+    """
+    for file in files:
+        Path(file).unlink(missing_ok=True)
 
 
 def reset_dir(path: str | Path) -> None:

@@ -5,6 +5,9 @@ These are the contracts in DESIGN.md; ``dvc.yaml`` names the same paths.
 
 from pathlib import Path
 
+RAW = Path("data/raw")
+"""User-supplied datasets (``data.source``), tracked by ``dvc add``; a dep of ``ingest``."""
+
 INGESTED = Path("data/ingested")
 CONVERSATIONS = INGESTED / "conversations.parquet"
 """Training split: ``conversation_id`` (string), ``messages`` (list of {role, content})."""
@@ -14,6 +17,8 @@ INGEST_REPORT = INGESTED / "ingest_report.json"
 
 TOKENIZER = Path("models/tokenizer")
 TARGET = Path("models/target")
+TARGET_REFERENCE = "dflash_target.json"
+"""In a target directory: the reference to a model that is not copied (``target.path``)."""
 TARGET_METRICS = Path("metrics/target.json")
 
 REGENERATED = Path("data/regenerated")
@@ -28,13 +33,25 @@ TOKENIZE_REPORT = TOKENIZED / "tokenize_report.json"
 TOKEN_MANIFEST = TOKENIZED / "manifest.json"
 
 STATS = Path("data/stats")
+STATS_LENGTHS = STATS / "lengths.json"
+STATS_BUCKETS = STATS / "buckets.json"
+"""Bucket edges by every method, with predicted and simulated padding efficiency."""
+STATS_HISTOGRAM = STATS / "histogram.csv"
+STATS_PLOT = STATS / "lengths.png"
 PLANS = Path("data/plans")
+PLAN_EPOCH = "epoch_{epoch:03d}.parquet"
+PLAN_EPOCH_GLOB = "epoch_*.parquet"
+PLAN_SUMMARY = "summary.json"
 PLAN_METRICS = Path("metrics/plan.json")
 """The flat overall figures of ``data/plans/summary.json``, for ``dvc exp show``."""
 
 DRAFTER = Path("models/drafter")
 CHECKPOINTS = Path("checkpoints")
+CHECKPOINT_NAME = "step_{step:08d}.pt"
+CHECKPOINT_GLOB = "step_*.pt"
 TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_PLOTS = Path("plots/train")
+TRAIN_LOG = TRAIN_PLOTS / "log.csv"
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_PLOTS = Path("plots/eval")
+EVAL_ACCEPTANCE = EVAL_PLOTS / "acceptance.csv"

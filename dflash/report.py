@@ -15,7 +15,7 @@ from dflash import paths
 from dflash.config import Config
 
 TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
-PLAN_SUMMARY = paths.PLANS / "summary.json"
+PLAN_SUMMARY = paths.PLANS / paths.PLAN_SUMMARY
 
 
 def read(root: Path, *rels: Path) -> dict | str:

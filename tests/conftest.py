@@ -17,14 +17,14 @@ import torch
 import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash.cli import resolve
+from dflash.cli import run_stage
 from dflash.config import load_config
 
 torch.set_num_threads(1)
 
 TINY_PARAMS = {
     "data": {
-        "source": "corpus.jsonl",
+        "source": "data/raw/corpus.jsonl",
         "eval_fraction": 0.1,
         "max_seq_len": 96,
         "max_conversations": None,
@@ -102,7 +102,8 @@ def tiny_corpus(n: int = 120) -> list[dict]:
 
 def write_workspace_inputs(directory: Path, params: dict) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / "corpus.jsonl", "w") as f:
+    (directory / "data/raw").mkdir(parents=True, exist_ok=True)
+    with open(directory / "data/raw/corpus.jsonl", "w") as f:
         for row in tiny_corpus():
             f.write(json.dumps(row) + "\n")
     (directory / "params.yaml").write_text(yaml.safe_dump(params))
@@ -114,7 +115,7 @@ def run_stages(directory: Path, stages: list[str], overrides: list[str] = ()) ->
     try:
         config = load_config("params.yaml", list(overrides))
         for stage in stages:
-            resolve(stage)(config)
+            run_stage(stage, config)
     finally:
         os.chdir(cwd)
 

@@ -23,7 +23,8 @@ from dflash.batching.errors import (
 from dflash.batching.layout import greedy_chunks
 from dflash.batching.lengths import read_lengths
 from dflash.batching.metrics import structure
-from dflash.batching.plan import PlanParams, main, plan_epoch, plan_meta, write_plans
+from dflash.batching.params import PlanParams
+from dflash.batching.plan import main, plan_epoch, plan_meta, write_plans
 from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import check_epoch, validate_plans
 
@@ -231,17 +232,32 @@ def test_one_packed_row_is_split_until_every_rank_has_work():
     assert structure(table).padded.size == 8
 
 
-def test_replanning_removes_stale_epochs_and_drops_the_summary_first(tmp_path, monkeypatch):
+def test_replanning_replaces_the_plan_whole_or_not_at_all(tmp_path, monkeypatch):
+    out = tmp_path / "plans"
     lengths = lognormal_lengths(500)
     params = make_params(lengths, "shuffle")
-    write_plans(lengths, params, 3, tmp_path)
-    write_plans(lengths, params, 1, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch_000.parquet", "summary.json"]
+    write_plans(lengths, params, 3, out)
+    write_plans(lengths, params, 1, out)
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_000.parquet", "summary.json"]
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
 
-    def interrupted(*args):
-        raise KeyboardInterrupt
+    real = io.write_epoch
 
-    monkeypatch.setattr(io, "write_epoch", interrupted)
+    def killed_after_one(table, path, meta):
+        real(table, path, meta)
+        if path.name != "epoch_000.parquet":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(io, "write_epoch", killed_after_one)
     with pytest.raises(KeyboardInterrupt):
-        write_plans(lengths, params, 2, tmp_path)
-    assert not (tmp_path / io.SUMMARY).exists()
+        write_plans(lengths, replace(params, seed=9), 3, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plans"]
+
+
+def test_plans_refuse_to_replace_a_directory_of_other_files(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    lengths = lognormal_lengths(50)
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        write_plans(lengths, make_params(lengths, "shuffle"), 1, tmp_path)
+    assert (tmp_path / "notes.txt").read_text() == "mine"

@@ -49,6 +49,19 @@ def test_explicit_boundaries_list():
         ("data.source=corpus.csv", ["data.source", ".jsonl"]),
         ("target.hidden_size=130", ["target.hidden_size", "multiple"]),
         ("evaluate.max_new_tokens=1024", ["evaluate.max_new_tokens", "data.max_seq_len"]),
+        ("train.lr=.nan", ["train.lr", "nan", "finite"]),
+        ("train.clip_grad=.inf", ["train.clip_grad", "inf", "finite"]),
+        ("train.betas=[5, -1]", ["train.betas[0]", "5.0", "[0, 1)"]),
+        ("train.betas=[0.9, 1.0]", ["train.betas[1]", "1.0", "[0, 1)"]),
+        ("train.weight_decay=-0.1", ["train.weight_decay", "-0.1", ">= 0"]),
+        ("train.seed=-1", ["train.seed", "-1", ">= 0"]),
+        ("target.num_attention_heads=0", ["target.num_attention_heads", "0", ">= 1"]),
+        ("target.intermediate_size=-4", ["target.intermediate_size", "-4", ">= 1"]),
+        ("batching.boundaries=[-5, 64]", ["batching.boundaries", "-5", "positive"]),
+        ("batching.token_budget=512", ["batching.token_budget", "512", "data.max_seq_len"]),
+        ("data.source=/tmp/corpus.jsonl", ["data.source", "data/raw"]),
+        ("data.source=data/raw/../x.jsonl", ["data.source", "data/raw"]),
+        ("train.lr=[1", ["--set", "not valid YAML"]),
     ],
 )
 def test_bad_values_fail_fast_with_key_and_allowed(override, words):
@@ -63,12 +76,67 @@ def test_missing_params_file_is_an_error(tmp_path):
         load_config(tmp_path / "nope.yaml")
 
 
+def cli(tmp_path, *args):
+    return subprocess.run(
+        [sys.executable, "-m", "dflash.cli", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (None, ["params.yaml", "does not exist"]),
+        ("", ["params.yaml", "empty"]),
+        ("# only a comment\n", ["params.yaml", "empty"]),
+        ("train:\n  lr: [1, 2\n", ["params.yaml", "line", "not valid YAML"]),
+        ("train:\n  lr: .nan\n", ["train.lr", "nan", "finite"]),
+        ("- a list\n", ["params.yaml", "mapping"]),
+    ],
+)
+def test_params_file_errors_exit_2_without_traceback(tmp_path, text, words):
+    if text is not None:
+        (tmp_path / "params.yaml").write_text(text)
+    proc = cli(tmp_path, "ingest")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for word in words:
+        assert word in proc.stderr
+
+
+def test_a_missing_source_file_exits_2(tmp_path):
+    (tmp_path / "params.yaml").write_text("data:\n  source: data/raw/gone.jsonl\n")
+    proc = cli(tmp_path, "ingest")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "data/raw/gone.jsonl" in proc.stderr
+
+
 def test_cli_reports_bad_param_and_exits_2(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "dflash.cli", "plan", "--set", "batching.strategy=zigzag"],
+        [sys.executable, "-m", "dflash.cli", "plan", "--params", str(ROOT / "params.yaml")]
+        + ["--set", "batching.strategy=zigzag"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 2
     assert "batching.strategy" in proc.stderr and "'bucketed'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.lr=.nan", "train.lr"),
+        ("train.betas=[5, -1]", "train.betas[0]"),
+        ("target.num_attention_heads=0", "target.num_attention_heads"),
+        ("batching.token_budget=100", "batching.token_budget"),
+        ("train.epochs=0", "train.epochs"),
+    ],
+)
+def test_out_of_domain_values_exit_2_through_the_cli(tmp_path, override, key):
+    proc = cli(tmp_path, "train", "--params", str(ROOT / "params.yaml"), "--set", override)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert key in proc.stderr
+    assert "must" in proc.stderr or "finite" in proc.stderr

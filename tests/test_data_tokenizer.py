@@ -66,7 +66,7 @@ def foreign_tokenizer(directory) -> None:
 
 def test_load_adds_missing_mask_token(tmp_path):
     foreign_tokenizer(tmp_path)
-    before = len(AutoTokenizer.from_pretrained(tmp_path))
+    before = len(AutoTokenizer.from_pretrained(tmp_path, local_files_only=True))
     loaded = tok.load_tokenizer(tmp_path)
     assert len(loaded) == before + 1
     assert loaded.convert_tokens_to_ids(tok.MASK_TOKEN) == before
@@ -79,7 +79,7 @@ def test_stage_records_an_adopted_tokenizer(tmp_path, monkeypatch):
     tok.run(Config(tokenizer=TokenizerConfig(path=str(tmp_path / "target_tok"))))
     info = json.loads((paths.TOKENIZER / tok.INFO_FILE).read_text())
     assert info["mask_token_added"] is True and info["source"].endswith("target_tok")
-    loaded = AutoTokenizer.from_pretrained(paths.TOKENIZER)
+    loaded = AutoTokenizer.from_pretrained(paths.TOKENIZER, local_files_only=True)
     assert loaded.convert_tokens_to_ids(tok.MASK_TOKEN) == info["mask_token_id"]
     assert tok.tokenizer_hash(loaded) == info["hash"]
 

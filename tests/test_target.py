@@ -14,7 +14,7 @@ from transformers import Qwen3ForCausalLM
 from dflash import paths
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.pretrain import IGNORE, encode_windows, pack
-from dflash.model.target import REFERENCE_FILE, load_target, resolve_target_path
+from dflash.model.target import load_target, resolve_target_path
 
 PRETRAIN = ["target.pretrain_epochs=3", "target.pretrain_batch_tokens=384"]
 
@@ -60,8 +60,8 @@ def test_reference_mode_records_the_path_and_copies_no_weights(tiny_workspace, t
     (tiny_workspace / paths.TARGET).rename(real)
     run_stages(tiny_workspace, ["target"], [f"target.path={real}"])
     target = tiny_workspace / paths.TARGET
-    assert [p.name for p in target.iterdir()] == [REFERENCE_FILE]
-    reference = json.loads((target / REFERENCE_FILE).read_text())
+    assert [p.name for p in target.iterdir()] == [paths.TARGET_REFERENCE]
+    reference = json.loads((target / paths.TARGET_REFERENCE).read_text())
     assert reference["path"] == str(real.resolve())
     assert len(reference["config_sha256"]) == 64
     assert resolve_target_path(target) == str(real.resolve())

@@ -18,6 +18,7 @@ import torch
 from conftest import run_stages
 from safetensors.torch import load_file
 
+from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import read_plan_meta, read_rank_plan
 from dflash.config import load_config
 from dflash.data.store import TokenStore
@@ -26,7 +27,7 @@ from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
 from dflash.model.target import load_target
 from dflash.train.batches import build_micro_batch
-from dflash.train.plan_check import StalePlanError, check_plan
+from dflash.train.plan_check import check_plan
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -112,7 +113,7 @@ def test_stale_plan_is_refused_with_what_differs(tiny_workspace):
     store = TokenStore("data/tokenized")
     meta = read_plan_meta(Path("data/plans"))
     config = load_config("params.yaml", ["train.world_size=4", "batching.token_budget=999"])
-    with pytest.raises(StalePlanError) as err:
+    with pytest.raises(InvalidPlanError) as err:
         check_plan(meta, store, config, world_size=4)
     assert "world_size: plan has 2, this run needs 4" in str(err.value)
     assert "token_budget" in str(err.value)

@@ -22,4 +22,6 @@ class TooFewMicroBatchesError(BatchingError):
 
 
 class InvalidPlanError(BatchingError):
-    """A plan on disk breaks one of its invariants (see ``dflash.batching.validate``)."""
+    """A plan on disk breaks one of its invariants (``dflash.batching.validate``) or does not
+    describe the run about to use it (other data, params or world size): the one error type
+    for a plan that must not be trained on."""

@@ -6,7 +6,6 @@ in ``summary.json``, so a trainer can refuse a plan made from other data or othe
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash import paths
+from dflash.batching.errors import InvalidPlanError
 from dflash.fileio import atomic_path, write_json_atomic
+from dflash.fingerprint import digest
 
 META_KEY = b"dflash.plan.meta"
-SUMMARY = "summary.json"
 
 SCHEMA = pa.schema(
     [
@@ -41,12 +42,12 @@ Step = list[MicroBatch]
 
 
 def epoch_path(plans_dir: str | Path, epoch: int) -> Path:
-    return Path(plans_dir) / f"epoch_{epoch:03d}.parquet"
+    return Path(plans_dir) / paths.PLAN_EPOCH.format(epoch=epoch)
 
 
 def lengths_fingerprint(lengths: np.ndarray) -> str:
     """SHA-256 of the lengths as little-endian int32: identifies the data a plan was made from."""
-    return hashlib.sha256(np.ascontiguousarray(lengths, dtype="<i4").tobytes()).hexdigest()
+    return digest(np.ascontiguousarray(lengths, dtype="<i4").tobytes())
 
 
 def write_epoch(table: pa.Table, path: str | Path, meta: dict[str, Any]) -> None:
@@ -63,12 +64,12 @@ def read_epoch(path: str | Path) -> tuple[pa.Table, dict[str, Any] | None]:
 
 
 def write_summary(summary: dict[str, Any], plans_dir: str | Path) -> None:
-    write_json_atomic(Path(plans_dir) / SUMMARY, summary)
+    write_json_atomic(Path(plans_dir) / paths.PLAN_SUMMARY, summary)
 
 
 def read_plan_meta(plans_dir: str | Path) -> dict[str, Any]:
     """``summary.json`` as a dict: ``meta``, per-epoch figures under ``epochs``, overall figures."""
-    path = Path(plans_dir) / SUMMARY
+    path = Path(plans_dir) / paths.PLAN_SUMMARY
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run `dflash plan` first")
     return json.loads(path.read_text())
@@ -83,7 +84,9 @@ def read_rank_plan(path: str | Path, rank: int) -> list[Step]:
     columns = ["step", "micro", "row", "sample_id", "offset", "length"]
     table = pq.read_table(path, columns=columns, filters=[("rank", "=", rank)])
     if table.num_rows == 0:
-        raise ValueError(f"{path} has no rows for rank {rank}: was it planned for fewer ranks?")
+        raise InvalidPlanError(
+            f"{path} has no rows for rank {rank}: was it planned for fewer ranks?"
+        )
     steps: list[Step] = []
     last = (-1, -1, -1)
     for step, micro, row, sample_id, offset, length in zip(
@@ -91,7 +94,9 @@ def read_rank_plan(path: str | Path, rank: int) -> list[Step]:
     ):
         if step != last[0]:
             if step != len(steps):
-                raise ValueError(f"{path}: rank {rank} has no micro-batch in step {len(steps)}")
+                raise InvalidPlanError(
+                    f"{path}: rank {rank} has no micro-batch in step {len(steps)}"
+                )
             steps.append([])
         if (step, micro) != last[:2]:
             steps[-1].append([])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,23 +24,12 @@ from dflash.batching.distribute import distribute
 from dflash.batching.errors import BatchingError
 from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import epoch_metrics, overall
+from dflash.batching.params import PlanParams
 from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import validate_plans
+from dflash.cli import at_least
 from dflash.config import Config
-from dflash.fileio import write_json_atomic
-
-
-@dataclass(frozen=True)
-class PlanParams:
-    strategy: str
-    token_budget: int
-    max_seq_len: int
-    max_batch_size: int
-    world_size: int = 1
-    grad_accum: int = 1
-    seed: int = 0
-    boundaries: tuple[int, ...] | None = None
-    """Resolved bucket edges; only ``bucketed`` uses them."""
+from dflash.fileio import atomic_dir, require_only, write_json_atomic
 
 
 def plan_epoch(lengths: np.ndarray, params: PlanParams, epoch: int) -> pa.Table:
@@ -71,23 +60,24 @@ def plan_meta(lengths: np.ndarray, params: PlanParams, epochs: int) -> dict[str,
 def write_plans(
     lengths: np.ndarray, params: PlanParams, epochs: int, out_dir: str | Path
 ) -> dict[str, Any]:
-    """Write ``epoch_EEE.parquet`` for every epoch and ``summary.json``; return the summary."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # Written last: until it is, no summary vouches for a mix of new and old epoch files.
-    (out_dir / io.SUMMARY).unlink(missing_ok=True)
+    """Write ``epoch_EEE.parquet`` for every epoch and ``summary.json``; return the summary.
+
+    ``out_dir`` is replaced whole, so it appears complete or not at all (a plan killed
+    half-way leaves the previous one); it may hold only plan files before.
+    """
+    if epochs < 1:
+        raise BatchingError(f"epochs = {epochs}: must be >= 1")
+    require_only(out_dir, [paths.PLAN_EPOCH_GLOB, paths.PLAN_SUMMARY])
     meta = plan_meta(lengths, params, epochs)
     per_epoch, previous = [], None
-    for epoch in range(epochs):
-        table = plan_epoch(lengths, params, epoch)
-        figures, previous = epoch_metrics(table, lengths.size, previous)
-        io.write_epoch(table, io.epoch_path(out_dir, epoch), meta)
-        per_epoch.append(figures)
-    planned = {io.epoch_path(out_dir, epoch) for epoch in range(epochs)}
-    for stale in set(out_dir.glob("epoch_*.parquet")) - planned:
-        stale.unlink()
-    summary = {**overall(per_epoch), "epochs": per_epoch, "meta": meta}
-    io.write_summary(summary, out_dir)
+    with atomic_dir(out_dir) as tmp:
+        for epoch in range(epochs):
+            table = plan_epoch(lengths, params, epoch)
+            figures, previous = epoch_metrics(table, lengths.size, previous)
+            io.write_epoch(table, io.epoch_path(tmp, epoch), meta)
+            per_epoch.append(figures)
+        summary = {**overall(per_epoch), "epochs": per_epoch, "meta": meta}
+        io.write_summary(summary, tmp)
     return summary
 
 
@@ -126,7 +116,7 @@ def params_from_config(config: Config, lengths: np.ndarray) -> PlanParams:
             lengths,
             b.num_buckets,
             config.data.max_seq_len,
-            buckets_json=paths.STATS / "buckets.json",
+            buckets_json=paths.STATS_BUCKETS,
         )
     return PlanParams(
         strategy=b.strategy,
@@ -166,17 +156,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash.plan", description=main.__doc__)
     parser.add_argument("--lengths", required=True, help="Parquet file with a 'length' column")
     parser.add_argument("--strategy", required=True, choices=list(STRATEGIES))
-    parser.add_argument("--token-budget", type=int, required=True)
-    parser.add_argument("--max-seq-len", type=int, required=True)
-    parser.add_argument("--max-batch-size", type=int, required=True)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--world-size", type=int, default=1)
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token-budget", type=at_least(1), required=True)
+    parser.add_argument("--max-seq-len", type=at_least(1), required=True)
+    parser.add_argument("--max-batch-size", type=at_least(1), required=True)
+    parser.add_argument("--epochs", type=at_least(1), default=1)
+    parser.add_argument("--world-size", type=at_least(1), default=1)
+    parser.add_argument("--grad-accum", type=at_least(1), default=1)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument(
         "--boundaries", default="optimal", help="optimal | quantile | token_mass | b0,b1,..."
     )
-    parser.add_argument("--num-buckets", type=int, default=6)
+    parser.add_argument("--num-buckets", type=at_least(1), default=6)
     parser.add_argument("--out", required=True, help="directory for the epoch files")
     args = parser.parse_args(argv)
     try:

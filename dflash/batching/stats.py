@@ -18,11 +18,14 @@ import numpy as np
 
 from dflash import paths
 from dflash.batching.boundaries import METHODS, boundaries_by, predicted_efficiency
+from dflash.batching.errors import BatchingError
 from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import structure
-from dflash.batching.plan import PlanParams, plan_epoch
+from dflash.batching.params import PlanParams
+from dflash.batching.plan import plan_epoch
+from dflash.cli import at_least
 from dflash.config import Config
-from dflash.fileio import atomic_path, write_json_atomic
+from dflash.fileio import atomic_dir, require_only, write_json_atomic
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
@@ -104,19 +107,27 @@ def write_stats(
     lengths: np.ndarray, num_buckets: int, params: PlanParams, out_dir: str | Path
 ) -> dict[str, Any]:
     """``lengths.json``, ``buckets.json``, ``histogram.csv`` and ``lengths.png`` in ``out_dir``."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if num_buckets < 1:
+        raise BatchingError(f"num_buckets = {num_buckets}: must be >= 1")
     check_lengths(lengths, params.max_seq_len, params.token_budget)
+    stats_files = (
+        paths.STATS_LENGTHS,
+        paths.STATS_BUCKETS,
+        paths.STATS_HISTOGRAM,
+        paths.STATS_PLOT,
+    )
+    require_only(out_dir, [p.name for p in stats_files])
     summary = describe(lengths)
     report = bucket_report(lengths, num_buckets, params)
-    write_json_atomic(out_dir / "lengths.json", summary)
-    write_json_atomic(out_dir / "buckets.json", report)
-    with atomic_path(out_dir / "histogram.csv") as tmp, open(tmp, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["length", "count"])
-        edges, counts = summary["histogram"]["edges"], summary["histogram"]["counts"]
-        writer.writerows(zip(edges[:-1], counts, strict=True))
-    plot_lengths(lengths, report, out_dir / "lengths.png")
+    with atomic_dir(out_dir) as tmp:
+        write_json_atomic(tmp / paths.STATS_LENGTHS.name, summary)
+        write_json_atomic(tmp / paths.STATS_BUCKETS.name, report)
+        with open(tmp / paths.STATS_HISTOGRAM.name, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["length", "count"])
+            edges, counts = summary["histogram"]["edges"], summary["histogram"]["counts"]
+            writer.writerows(zip(edges[:-1], counts, strict=True))
+        plot_lengths(lengths, report, tmp / paths.STATS_PLOT.name)
     return report
 
 
@@ -145,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m dflash.stats --lengths L.parquet --num-buckets K --token-budget N --out DIR``."""
     parser = argparse.ArgumentParser(prog="python -m dflash.stats", description=__doc__)
     parser.add_argument("--lengths", required=True, help="Parquet file with a 'length' column")
-    parser.add_argument("--num-buckets", type=int, required=True)
-    parser.add_argument("--token-budget", type=int, required=True)
+    parser.add_argument("--num-buckets", type=at_least(1), required=True)
+    parser.add_argument("--token-budget", type=at_least(1), required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--max-seq-len", type=int, help="default: the longest sample")
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-seq-len", type=at_least(1), help="default: the longest sample")
+    parser.add_argument("--max-batch-size", type=at_least(1), default=64)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     args = parser.parse_args(argv)
     try:
         lengths = read_lengths(args.lengths)

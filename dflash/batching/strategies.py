@@ -7,16 +7,12 @@ the generator: its micro-batches are frozen across epochs, as in the seeds' orig
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from dflash.batching.errors import BatchingError
 from dflash.batching.layout import Layout, greedy_chunks
 from dflash.batching.packing import pack_rows
-
-if TYPE_CHECKING:
-    from dflash.batching.plan import PlanParams
+from dflash.batching.params import PlanParams
 
 
 def sorted_layout(lengths: np.ndarray, params: PlanParams, rng: np.random.Generator) -> Layout:

@@ -13,7 +13,6 @@ or data.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 import time
@@ -32,7 +31,8 @@ from dflash.data.conversations import (
     write_conversations,
 )
 from dflash.data.tokenizer import IM_END, load_tokenizer
-from dflash.fileio import atomic_path, sha256_file, write_json_atomic
+from dflash.fileio import atomic_path, write_json_atomic
+from dflash.fingerprint import digest, path_digest
 from dflash.model.target import load_target, target_device_dtype
 from dflash.threads import set_cpu_threads
 
@@ -45,28 +45,18 @@ SOURCES = (Path(__file__), Path(__file__).with_name("chat.py"))
 invalidate shards made before it."""
 
 
-def digest(path: Path) -> str:
-    """SHA-256 over every file under a directory (or one file), each with its relative name."""
-    sha = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for file in files:
-        sha.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
-        sha.update(sha256_file(file).encode())
-    return sha.hexdigest()
-
-
 def fingerprint(config: Config, device: torch.device) -> str:
     """What a shard's content depends on: params, device, target, tokenizer, input data, code."""
     parts = {
         "regenerate": dataclasses.asdict(config.regenerate),
         "max_seq_len": config.data.max_seq_len,
         "device": device.type,
-        "target": digest(paths.TARGET),
-        "tokenizer": digest(paths.TOKENIZER),
-        "conversations": digest(paths.CONVERSATIONS),
-        "code": {source.name: sha256_file(source) for source in SOURCES},
+        "target": path_digest(paths.TARGET),
+        "tokenizer": path_digest(paths.TOKENIZER),
+        "conversations": path_digest(paths.CONVERSATIONS),
+        "code": {source.name: path_digest(source) for source in SOURCES},
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return digest(parts)[:16]
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -289,6 +279,7 @@ def copy_conversations() -> dict:
     """``data.regenerate: false``: the training split passes through unchanged."""
     with atomic_path(paths.REGENERATED_CONVERSATIONS) as tmp:
         shutil.copyfile(paths.CONVERSATIONS, tmp)
+    paths.REGENERATED_SHARDS.mkdir(exist_ok=True)  # a declared out, even when left empty
     return {"skipped": True, "conversations": count_conversations(paths.CONVERSATIONS)}
 
 

@@ -8,7 +8,6 @@ added token changes the vocabulary the target's embedding must cover.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from collections.abc import Iterable, Iterator
@@ -21,6 +20,7 @@ from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.fileio import reset_dir, write_json_atomic
+from dflash.fingerprint import digest
 
 MASK_TOKEN = "<|MASK|>"
 IM_START = "<|im_start|>"
@@ -74,7 +74,7 @@ def add_mask_token(tokenizer: PreTrainedTokenizerFast) -> bool:
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     """Load a fast tokenizer directory; ``<|MASK|>`` is added (and reported) if missing."""
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not tokenizer.is_fast:
         raise ValueError(f"tokenizer at {path} is not a fast tokenizer: offsets are needed")
     if add_mask_token(tokenizer):
@@ -91,7 +91,7 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerFast) -> str:
     state.pop("truncation", None)
     state.pop("padding", None)
     state["chat_template"] = tokenizer.chat_template
-    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+    return digest(state)
 
 
 def conversation_texts(rows: Iterable[dict]) -> Iterator[str]:
@@ -108,7 +108,7 @@ def run(config: Config) -> None:
         tokenizer = train_tokenizer(conversation_texts(rows), config.tokenizer.vocab_size)
         source, added = "trained", False
     else:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.path)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.path, local_files_only=True)
         if not tokenizer.is_fast:
             raise ValueError(f"tokenizer.path = {config.tokenizer.path}: not a fast tokenizer")
         if not tokenizer.chat_template:

@@ -20,7 +20,7 @@ from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.regenerate import stop_token_ids
 from dflash.data.tokenizer import load_tokenizer
-from dflash.fileio import write_json_atomic, write_text_atomic
+from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import dflash_generate, greedy_generate
 from dflash.model.target import load_target
@@ -113,11 +113,14 @@ def run(config: Config) -> None:
             target, drafter, prompts, config.evaluate.max_new_tokens, stop_token_ids(tokenizer)
         )
     metrics = summarize(results, drafter.config.block_size)
-    write_json_atomic(paths.EVAL_METRICS, metrics, sort_keys=True)
     rows = "position,acceptance\n" + "".join(
         f"{k},{a:.6f}\n" for k, a in enumerate(metrics["per_position_acceptance"], start=1)
     )
-    write_text_atomic(paths.EVAL_PLOTS / "acceptance.csv", rows)
+    # Two files in two directories: the old pair goes first and the metrics come last, so a
+    # run killed in between leaves no old metrics beside new acceptance rows.
+    remove_files(paths.EVAL_METRICS, paths.EVAL_ACCEPTANCE)
+    write_text_atomic(paths.EVAL_ACCEPTANCE, rows)
+    write_json_atomic(paths.EVAL_METRICS, metrics, sort_keys=True)
     print(
         f"[evaluate] τ = {metrics['acceptance_length']:.3f} over {metrics['n_prompts']} prompts, "
         f"mismatches {metrics['lossless_mismatches']}, speedup {metrics['speedup']:.2f}x (CPU)"

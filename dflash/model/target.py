@@ -8,7 +8,6 @@ default Qwen3 is pretrained here (see ``dflash.model.pretrain``) and saved in fu
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -20,7 +19,8 @@ from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import load_tokenizer
-from dflash.fileio import reset_dir, write_json_atomic
+from dflash.fileio import atomic_dir, remove_files, write_json_atomic
+from dflash.fingerprint import digest, path_digest
 from dflash.model.pretrain import (
     build_tiny_target,
     encode_windows,
@@ -30,7 +30,6 @@ from dflash.model.pretrain import (
 )
 from dflash.threads import set_cpu_threads
 
-REFERENCE_FILE = "dflash_target.json"
 REFERENCE_EVAL_ROWS = 64
 """Held-out rows of ``max_seq_len`` a referenced (possibly huge) target is scored on."""
 
@@ -44,7 +43,7 @@ def target_device_dtype() -> tuple[torch.device, torch.dtype]:
 
 def resolve_target_path(path_or_dir: str | Path) -> str:
     """The model directory (or hub id) behind ``path_or_dir``, following a reference file."""
-    reference = Path(path_or_dir) / REFERENCE_FILE
+    reference = Path(path_or_dir) / paths.TARGET_REFERENCE
     if reference.is_file():
         return json.loads(reference.read_text())["path"]
     return str(path_or_dir)
@@ -56,18 +55,29 @@ def load_target(
     """Load the target frozen and in eval mode, in the dtype that suits ``device``."""
     device = torch.device(device) if device is not None else target_device_dtype()[0]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(resolve_target_path(path_or_dir), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_target_path(path_or_dir), dtype=dtype, local_files_only=True
+    )
     model.to(device)
     model.requires_grad_(False)
     model.eval()
     return model
 
 
+def target_digest(directory: Path) -> str:
+    """Digest of the target's files; for a reference, of the local model it points to too."""
+    parts = {"directory": path_digest(directory)}
+    resolved = Path(resolve_target_path(directory))
+    if resolved != directory and resolved.exists():
+        parts["referenced"] = path_digest(resolved)
+    return digest(parts)
+
+
 def config_hash(model: PreTrainedModel) -> str:
     """Fingerprint of the architecture, so a changed target invalidates what depends on it."""
     summary = model.config.to_dict()
     summary.pop("transformers_version", None)
-    return hashlib.sha256(json.dumps(summary, sort_keys=True, default=str).encode()).hexdigest()
+    return digest(summary)
 
 
 def score_heldout(
@@ -107,10 +117,11 @@ def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None
         "vocab_size": model.config.vocab_size,
         "config_sha256": config_hash(model),
     }
-    reset_dir(paths.TARGET)
-    write_json_atomic(paths.TARGET / REFERENCE_FILE, reference)
     metrics = {"mode": "reference", "parameters": model.num_parameters()}
     metrics |= score_heldout(model, tokenizer, config.data.max_seq_len, REFERENCE_EVAL_ROWS)
+    remove_files(paths.TARGET_METRICS)
+    with atomic_dir(paths.TARGET) as tmp:
+        write_json_atomic(tmp / paths.TARGET_REFERENCE, reference)
     write_json_atomic(paths.TARGET_METRICS, metrics)
     print(f"target: reference to {reference['path']} ({model.config.model_type})")
 
@@ -126,9 +137,10 @@ def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
     metrics["tokens_beyond_max_seq_len"] = cut
     metrics |= pretrain(model, input_ids, labels, config.target)
     metrics |= score_heldout(model, tokenizer, max_seq_len)
-    reset_dir(paths.TARGET)
-    model.save_pretrained(str(paths.TARGET))
-    tokenizer.save_pretrained(str(paths.TARGET))
+    remove_files(paths.TARGET_METRICS)
+    with atomic_dir(paths.TARGET) as tmp:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
     write_json_atomic(paths.TARGET_METRICS, metrics)
     print(
         f"target: {metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import Row
 from dflash.data.store import TokenStore
 from dflash.model.anchors import sample_anchors
@@ -71,7 +72,7 @@ def build_micro_batch(
         for doc, (sample_id, offset, length) in enumerate(row):
             ids, mask = store[sample_id]
             if len(ids) != length:
-                raise ValueError(
+                raise InvalidPlanError(
                     f"plan says sample {sample_id} has {length} tokens, the token store has "
                     f"{len(ids)}: the plan was made from other tokenized data"
                 )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from dflash.config import Config
+from dflash.config import Config, unwrap
 from dflash.train.distributed import launched_by_torchrun
 
 
@@ -25,7 +25,7 @@ def run(config: Config) -> int:
 
         train(config)
         return 0
-    plain = json.loads(json.dumps(config.to_dict()))
+    plain = json.loads(json.dumps(unwrap(config).to_dict()))
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(plain, f)
     params = Path(f.name)

@@ -10,28 +10,23 @@ whatever the batching strategy or the way samples fall onto ranks.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
-import random
-import shutil
 import time
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-import dflash.model
 from dflash import paths
+from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import MASK_TOKEN, load_tokenizer
-from dflash.fileio import sha256_file, write_json_atomic
+from dflash.fileio import write_json_atomic
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
@@ -40,9 +35,7 @@ from dflash.train import checkpoint
 from dflash.train.batches import MicroBatch, StepDataset, make_loader
 from dflash.train.distributed import Dist, all_reduce_sum, barrier, init_distributed, shutdown
 from dflash.train.monitor import Monitor
-from dflash.train.plan_check import StalePlanError, check_epoch_file, check_plan
-
-MODEL_CODE = Path(dflash.model.__file__).parent
+from dflash.train.plan_check import check_epoch_file, check_plan
 
 
 class DrafterDDP(DistributedDataParallel):
@@ -116,7 +109,7 @@ class Trainer:
             if ctx.device.type == "cuda"
             else contextlib.nullcontext()
         )
-        self.fingerprint = run_fingerprint(config, self.plan_meta, self.store.manifest)
+        self.fingerprint = checkpoint.run_fingerprint(config)
         self.state: dict[str, Any] = {
             "epoch": 0,
             "step_in_epoch": 0,
@@ -130,67 +123,7 @@ class Trainer:
             "epoch_loss": [],
             "rows": [],
         }
-        self._resume()
-
-    # ----------------------------------------------------------------- resume / save
-    def _resume(self) -> None:
-        saved, skipped = checkpoint.load_latest(paths.CHECKPOINTS, self.fingerprint)
-        if self.ctx.is_main:
-            for reason in skipped:
-                print(f"[train] skipping checkpoint {reason}")
-        barrier(self.ctx)
-        if saved is None:
-            if self.ctx.is_main and checkpoint.list_checkpoints(paths.CHECKPOINTS):
-                print("[train] no checkpoint of this run: starting fresh, old ones removed")
-                checkpoint.remove_checkpoints(paths.CHECKPOINTS)
-            barrier(self.ctx)
-            return
-        if self.ctx.is_main:
-            # Newer files passed over (unfinished, corrupt, another run's) would otherwise be
-            # counted as "newest" when pruning and crowd out the checkpoints this run writes.
-            for path in checkpoint.list_checkpoints(paths.CHECKPOINTS):
-                if checkpoint.step_of(path) > saved["state"]["global_step"]:
-                    checkpoint.remove_checkpoint(path)
-        self.drafter.load_state_dict(saved["drafter"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.state = saved["state"]
-        rng = saved["rng"][self.ctx.rank] if self.ctx.rank < len(saved["rng"]) else None
-        if rng is not None:
-            random.setstate(rng["python"])
-            np.random.set_state(rng["numpy"])
-            torch.set_rng_state(rng["torch"])
-        if self.ctx.is_main:
-            print(
-                f"[train] resumed at epoch {self.state['epoch']} step "
-                f"{self.state['step_in_epoch']} (global step {self.state['global_step']})"
-            )
-
-    def _save(self) -> None:
-        rng = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
-        gathered: list[Any] = [rng]
-        if self.ctx.enabled:
-            gathered = [None] * self.ctx.world_size
-            torch.distributed.all_gather_object(gathered, rng)
-        if self.ctx.is_main:
-            checkpoint.save_checkpoint(
-                paths.CHECKPOINTS,
-                self.state["global_step"],
-                {
-                    "fingerprint": self.fingerprint,
-                    "drafter": self.drafter.state_dict(),
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "state": self.state,
-                    "rng": gathered,
-                },
-                keep=self.config.train.keep_checkpoints,
-            )
-        barrier(self.ctx)
+        checkpoint.resume(self)
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> None:
@@ -204,10 +137,10 @@ class Trainer:
             self._run_epoch(self.state["epoch"], monitor)
             self.state["epoch"] += 1
             self.state["step_in_epoch"] = 0
-        self._save()
+        checkpoint.save(self)
         summary = self._summary()
         if self.ctx.is_main:
-            export_drafter(self.drafter, paths.DRAFTER)
+            checkpoint.export_drafter(self.drafter, paths.DRAFTER)
             write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")
@@ -219,7 +152,7 @@ class Trainer:
         check_epoch_file(path, self.plan_meta, epoch)
         steps = read_rank_plan(path, self.ctx.rank)
         if len(steps) != self.epoch_steps[epoch]:
-            raise StalePlanError(
+            raise InvalidPlanError(
                 f"{path}: rank {self.ctx.rank} has {len(steps)} steps, summary.json says "
                 f"{self.epoch_steps[epoch]}; rerun `dflash plan`"
             )
@@ -269,7 +202,7 @@ class Trainer:
                 monitor.log(window.row(step, epoch))
                 window = _Window()
             if step % c.train.checkpoint_every == 0:
-                self._save()
+                checkpoint.save(self)
         bar.close()
 
     def _step(self, micro_batches: list[MicroBatch]) -> dict[str, Any]:
@@ -407,35 +340,3 @@ class _Window:
             "mean_sample_length": self.real / max(self.samples, 1),
             "data_wait_fraction": self.wait / max(self.seconds, 1e-9),
         }
-
-
-NOT_IN_WEIGHTS = ("checkpoint_every", "keep_checkpoints", "num_workers", "prefetch")
-"""Train params that change how a run is carried out but not the weights it ends with."""
-
-
-def run_fingerprint(config: Config, plan_meta: dict[str, Any], manifest: dict[str, Any]) -> str:
-    """Everything the trained weights depend on; a checkpoint resumes only into the same run.
-
-    The code that computes the weights and the target's files are part of it: after a fix to
-    the objective, DVC reruns training and it must start over, not reuse a finished run.
-    """
-    c = config.to_dict()
-    code = sorted(Path(__file__).parent.glob("*.py")) + sorted(MODEL_CODE.glob("*.py"))
-    payload = {
-        "drafter": c["drafter"],
-        "train": {k: v for k, v in c["train"].items() if k not in NOT_IN_WEIGHTS},
-        "plan": plan_meta["meta"],
-        "store": manifest,
-        "target": {p.name: sha256_file(p) for p in sorted(paths.TARGET.glob("*")) if p.is_file()},
-        "code": {p.name: sha256_file(p) for p in code},
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def export_drafter(drafter: DFlashDrafter, out: Path) -> None:
-    """Write the Hugging Face style drafter directory atomically (tmp dir, then rename)."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)

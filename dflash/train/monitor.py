@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from dflash import paths
 from dflash.config import Config
 from dflash.fileio import write_text_atomic
 
@@ -52,11 +53,11 @@ class Monitor:
             for k, acc in enumerate(row.get("per_position_accuracy", []), start=1):
                 scalars[f"accuracy_by_position/{k:02d}"] = acc
             self.run.log(scalars, step=row["step"])
-        write_text_atomic(self.plots_dir / "log.csv", rows_to_csv(self.rows))
+        write_text_atomic(self.plots_dir / paths.TRAIN_LOG.name, rows_to_csv(self.rows))
 
     def finish(self, summary: dict[str, Any]) -> None:
         # Also when no step ran (a finished run reused): the plot file is a DVC output.
-        write_text_atomic(self.plots_dir / "log.csv", rows_to_csv(self.rows))
+        write_text_atomic(self.plots_dir / paths.TRAIN_LOG.name, rows_to_csv(self.rows))
         if self.run is not None:
             self.run.summary.update(summary)
             self.run.finish()

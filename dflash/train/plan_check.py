@@ -11,13 +11,10 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import META_KEY, lengths_fingerprint
 from dflash.config import Config
 from dflash.data.store import TokenStore
-
-
-class StalePlanError(RuntimeError):
-    pass
 
 
 def check_plan(plan: dict[str, Any], store: TokenStore, config: Config, world_size: int) -> None:
@@ -48,7 +45,7 @@ def check_plan(plan: dict[str, Any], store: TokenStore, config: Config, world_si
         )
     if problems:
         hint = "the token store changed" if "lengths_sha256" in problems[0] else "params changed"
-        raise StalePlanError(
+        raise InvalidPlanError(
             f"stale plan in data/plans ({hint}); rerun `dvc repro plan` (or `dflash plan`):\n  "
             + "\n  ".join(problems)
         )
@@ -60,10 +57,10 @@ def check_epoch_file(path: Path, plan: dict[str, Any], epoch: int) -> None:
     A plan interrupted half-way would otherwise leave new epoch files under an old summary.
     """
     if not path.exists():
-        raise StalePlanError(f"{path} is missing: rerun `dvc repro plan` (or `dflash plan`)")
+        raise InvalidPlanError(f"{path} is missing: rerun `dvc repro plan` (or `dflash plan`)")
     raw = (pq.read_schema(path).metadata or {}).get(META_KEY)
     if raw is None or json.loads(raw) != plan["meta"]:
-        raise StalePlanError(
+        raise InvalidPlanError(
             f"{path} was not planned with data/plans/summary.json (epoch {epoch}): "
             "rerun `dvc repro plan` (or `dflash plan`)"
         )

@@ -1,0 +1,8 @@
+"""DVC stage `tokenize`: parses --params/--set and calls the library (see dflash.cli.STAGES)."""
+
+import sys
+
+from dflash.cli import stage_main
+
+if __name__ == "__main__":
+    sys.exit(stage_main("tokenize"))

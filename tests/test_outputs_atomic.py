@@ -1,0 +1,129 @@
+"""Stage outputs appear complete or not at all: each writer is killed between two writes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import run_stages
+
+from dflash import paths
+from dflash.batching import stats
+from dflash.batching.params import PlanParams
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing may catch it and carry on."""
+
+
+def snapshot(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def kill_on_call(monkeypatch, target: str):
+    def die(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(target, die)
+
+
+def test_stats_are_replaced_whole(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(8, 200, 300)
+    params = PlanParams("bucketed", token_budget=1024, max_seq_len=256, max_batch_size=16)
+    out = tmp_path / "stats"
+    stats.write_stats(lengths, 3, params, out)
+    before = snapshot(out)
+    kill_on_call(monkeypatch, "dflash.batching.stats.plot_lengths")  # after three files
+    with pytest.raises(Killed):
+        stats.write_stats(lengths[:100], 3, params, out)
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats"]
+
+
+def test_target_is_replaced_whole(tiny_workspace, monkeypatch):
+    os.chdir(tiny_workspace)
+    before = snapshot(paths.TARGET)
+    # The tokenizer is saved after the model's weights: die in between.
+    kill_on_call(monkeypatch, "transformers.PreTrainedTokenizerBase.save_pretrained")
+    with pytest.raises(Killed):
+        run_stages(tiny_workspace, ["target"], ["target.seed=5"])
+    assert snapshot(paths.TARGET) == before
+    assert not paths.TARGET_METRICS.exists(), "metrics of the old target must not stay beside"
+    assert sorted(p.name for p in paths.TARGET.parent.iterdir()) == ["target", "tokenizer"]
+
+
+def test_evaluate_leaves_no_old_metrics_beside_new_rows(tiny_workspace, monkeypatch):
+    os.chdir(tiny_workspace)
+    paths.EVAL_METRICS.parent.mkdir(parents=True, exist_ok=True)
+    paths.EVAL_METRICS.write_text('{"acceptance_length": 9.9}\n')
+    run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
+    kill_on_call(monkeypatch, "dflash.eval.evaluate.write_json_atomic")  # metrics come last
+    with pytest.raises(Killed):
+        run_stages(tiny_workspace, ["evaluate"])
+    assert not paths.EVAL_METRICS.exists()
+
+
+def lengths_file(tmp_path):
+    path = tmp_path / "lengths.parquet"
+    pq.write_table(pa.table({"length": np.arange(10, 60, dtype=np.int32)}), path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "module, args, words",
+    [
+        ("dflash.plan", ["--epochs", "0"], ["--epochs", "0", ">= 1"]),
+        ("dflash.plan", ["--num-buckets", "0", "--strategy", "bucketed"], ["--num-buckets", "0"]),
+        ("dflash.plan", ["--world-size", "-2"], ["--world-size", "-2", ">= 1"]),
+        ("dflash.stats", ["--num-buckets", "0"], ["--num-buckets", "0", ">= 1"]),
+        ("dflash.stats", ["--num-buckets", "2", "--token-budget", "x"], ["--token-budget", "'x'"]),
+    ],
+)
+def test_plan_and_stats_clis_reject_out_of_domain_values(tmp_path, module, args, words):
+    base = ["--lengths", str(lengths_file(tmp_path)), "--out", str(tmp_path / "out")]
+    if module == "dflash.plan":
+        base += ["--max-seq-len", "64", "--max-batch-size", "4", "--token-budget", "256"]
+        base += [] if "--strategy" in args else ["--strategy", "shuffle"]
+    else:
+        base += [] if "--token-budget" in args else ["--token-budget", "256"]
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *base, *args], capture_output=True, text=True
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for word in words:
+        assert word in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_gitignore_dvc_keeps_in_an_output_directory_survives(tmp_path):
+    from dflash.fileio import atomic_dir, require_only
+
+    out = tmp_path / "stats"
+    out.mkdir()
+    (out / ".gitignore").write_text("/buckets.json\n")
+    (out / "buckets.json").write_text("old")
+    require_only(out, ["buckets.json"])
+    with atomic_dir(out) as tmp:
+        (tmp / "buckets.json").write_text("new")
+    assert snapshot(out) == {
+        out.joinpath(".gitignore").relative_to(out): b"/buckets.json\n",
+        out.joinpath("buckets.json").relative_to(out): b"new",
+    }
+
+
+def test_train_leaves_no_old_metrics_beside_a_new_drafter(tiny_workspace, monkeypatch):
+    os.chdir(tiny_workspace)
+    paths.TRAIN_METRICS.parent.mkdir(parents=True, exist_ok=True)
+    paths.TRAIN_METRICS.write_text('{"final_loss": 0.001}\n')
+    kill_on_call(monkeypatch, "dflash.train.loop.write_json_atomic")  # metrics come last
+    with pytest.raises(Killed):
+        run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
+    assert not paths.TRAIN_METRICS.exists()
+    assert sorted(p.name for p in paths.DRAFTER.iterdir()) == ["config.json", "model.safetensors"]

@@ -1,0 +1,83 @@
+"""Multi-process training pins: DDP with accumulation (no_sync), and resume with workers."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import time
+
+import pytest
+import torch
+from conftest import run_stages
+from test_train import final_weights, kill_tree, torchrun
+
+from dflash.batching.io import read_rank_plan
+
+
+def losses(workspace) -> list[float]:
+    with open(workspace / "plots/train/log.csv") as f:
+        return [float(row["loss"]) for row in csv.DictReader(f)]
+
+
+def step_samples(workspace, world: int, step: int) -> list[list[int]]:
+    """The sorted sample ids of each micro-batch of ``step``, over all ranks."""
+    path = workspace / "data/plans/epoch_000.parquet"
+    mbs = [mb for rank in range(world) for mb in read_rank_plan(path, rank)[step]]
+    return sorted(sorted(s for row in mb for s, _, _ in row) for mb in mbs)
+
+
+@pytest.mark.slow
+def test_ddp_with_accumulation_matches_one_process(tiny_workspace):
+    """2 ranks x 2 accumulated micro-batches (no_sync on the first) = 1 rank x 4, every step.
+
+    The planner deals each step's micro-batches the same way for both splits, so every step
+    sees the same samples; a micro-batch lost or counted twice on the no_sync path would
+    change the gradient and every loss after the first step.
+    """
+    two = ["train.epochs=1", "train.grad_accum=2"]
+    run_stages(tiny_workspace, ["plan"], two)
+    n_steps = json.loads((tiny_workspace / "data/plans/summary.json").read_text())["n_steps"]
+    planned_two = [step_samples(tiny_workspace, 2, s) for s in range(n_steps)]
+    proc = torchrun(tiny_workspace, *two)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    ddp = losses(tiny_workspace)
+
+    one = ["train.epochs=1", "train.world_size=1", "train.grad_accum=4"]
+    run_stages(tiny_workspace, ["plan"], one)
+    assert [step_samples(tiny_workspace, 1, s) for s in range(n_steps)] == planned_two
+    run_stages(tiny_workspace, ["train"], one)
+    single = losses(tiny_workspace)
+    assert len(ddp) == len(single) == n_steps >= 2
+    assert single == pytest.approx(ddp, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_with_data_workers_gives_identical_weights(tiny_workspace, tmp_path):
+    knobs = ("train.checkpoint_every=1", "train.num_workers=1", "train.prefetch=2")
+    reference = tmp_path / "reference"
+    os.system(f"cp -r {tiny_workspace} {reference}")
+    proc = torchrun(reference, *knobs)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+
+    proc = torchrun(tiny_workspace, *knobs)
+    ckpt = tiny_workspace / "checkpoints"
+    deadline = time.time() + 400
+    while time.time() < deadline and not (ckpt / "step_00000003.pt.sha256").exists():
+        time.sleep(0.005)
+    kill_tree(proc.pid)
+    proc.communicate()
+    assert not (tiny_workspace / "models/drafter").exists(), "run finished before it was killed"
+    plan = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
+    assert max(int(p.name[5:13]) for p in ckpt.glob("step_*.pt")) < plan["n_steps"]
+
+    proc = torchrun(tiny_workspace, *knobs)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out
+    assert "resumed at" in out
+    a, b = final_weights(reference), final_weights(tiny_workspace)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
