@@ -34,6 +34,7 @@ from dflash.data.conversations import (
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.fileio import atomic_path, sha256_file, write_json_atomic
 from dflash.model.target import load_target, target_device_dtype
+from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
 
 COUNTS = ("turns", "outside_window", "tokens_generated", "empty_responses", "unterminated")
@@ -251,7 +252,7 @@ def regenerate(config: Config) -> dict:
     fresh = {"shards": 0, "conversations": 0, "tokens_generated": 0, "seconds": 0.0}
     output: list[dict] = []
     turns = sum(m["role"] == "assistant" for r in rows for m in r["messages"])
-    progress = tqdm(total=turns, desc="regenerate", unit="turn")
+    progress = progress_bar(total=turns, desc="regenerate", unit="turn")
     starts = range(0, len(rows), size)
     for index, start in enumerate(starts):
         shard, stats, made = shard_of(
