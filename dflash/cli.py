@@ -68,10 +68,10 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
     stage = stage or args.stage
     try:
         config = config_from_args(args)
+        result = resolve(stage)(config)
     except ConfigError as err:
         print(f"dflash {stage}: bad params: {err}", file=sys.stderr)
         return 2
-    result = resolve(stage)(config)
     return int(result or 0)
 
 
