@@ -15,6 +15,7 @@ import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,13 +95,26 @@ def encode_chunk(
 
 
 _worker_tokenizer: PreTrainedTokenizerFast | None = None
+PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
 def _start_worker(tokenizer: PreTrainedTokenizerFast) -> None:
     global _worker_tokenizer
-    # Each worker is one core; the tokenizer's own threads would only contend with the others.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ[PARALLELISM] = "false"
     _worker_tokenizer = tokenizer
+
+
+@contextmanager
+def _single_threaded_tokenizer() -> Iterator[None]:
+    before = os.environ.get(PARALLELISM)
+    os.environ[PARALLELISM] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[PARALLELISM]
+        else:
+            os.environ[PARALLELISM] = before
 
 
 def _encode_in_worker(batch: pa.RecordBatch, policy: Policy) -> Encoded:
@@ -117,10 +131,13 @@ def encode_chunks(
 
     One worker encodes in this process. More are forked, each with the tokenizer, and at
     most ``CHUNKS_IN_FLIGHT`` chunks per worker wait, so memory does not grow with the input.
+    Either way a worker is one core: the tokenizer's own threads are off, so that
+    ``data.num_workers`` is the number of cores the stage uses.
     """
     if num_workers <= 1:
-        for batch in batches:
-            yield encode_chunk(batch, tokenizer, policy)
+        with _single_threaded_tokenizer():
+            for batch in batches:
+                yield encode_chunk(batch, tokenizer, policy)
         return
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(
