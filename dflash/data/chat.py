@@ -12,6 +12,7 @@ tool results, like user turns, are not learned.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
@@ -139,20 +140,34 @@ def encode_conversations(
     """
     render = template_renderer(tokenizer)
     texts = [render(messages) for messages in conversations]
-    encoded = tokenizer(
-        texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
-    )
     ends = end_of_turn_ids(tokenizer)
     results = []
-    for messages, text, ids, offsets in zip(
-        conversations, texts, encoded["input_ids"], encoded["offset_mapping"], strict=True
+    for messages, text, encoding in zip(
+        conversations, texts, _encode_batch(tokenizer, texts), strict=True
     ):
-        ids = np.asarray(ids[:max_tokens], dtype=np.uint32)
-        offsets = np.asarray(offsets[:max_tokens], dtype=np.int64).reshape(-1, 2)
+        ids = encoding.ids[:max_tokens]
+        offsets = encoding.offsets[:max_tokens]
+        ids = np.fromiter(ids, dtype=np.uint32, count=len(ids))
+        flat = itertools.chain.from_iterable(offsets)
+        offsets = np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
         limit = int(offsets[-1, 1]) if max_tokens is not None and len(ids) else None
         spans = assistant_spans(render, messages, text, limit)
         results.append((ids, loss_mask(ids, offsets, spans, ends)))
     return results
+
+
+def _encode_batch(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> list:
+    """The Rust tokenizer's encodings of ``texts``, as ``tokenizer(texts)`` computes them.
+
+    Calling the backend directly skips converting every encoding to Python lists twice;
+    truncation and padding are switched off first, as ``tokenizer(texts)`` would.
+    """
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    return backend.encode_batch(texts, add_special_tokens=False)
 
 
 def encode_conversation(
