@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def ingest(
     train_path = out / paths.CONVERSATIONS.name
     capped = out / "uncapped.parquet" if max_conversations is not None else train_path
     train, heldout = ConversationWriter(capped), ConversationWriter(out / paths.HELDOUT.name)
-    train_keys: list[int] = []
+    train_keys = array("Q")  # 8 bytes a training conversation, for data.max_conversations
     for number, record in records:
         accepted = tally.accept(number, record)
         if accepted is None:
