@@ -129,7 +129,7 @@ def encode_chunks(
 ) -> Iterator[Encoded]:
     """:func:`encode_chunk` of every batch, in input order, on ``num_workers`` processes.
 
-    One worker encodes in this process. More are forked, each with the tokenizer, and at
+    One worker encodes in this process. More are started, each with the tokenizer, and at
     most ``CHUNKS_IN_FLIGHT`` chunks per worker wait, so memory does not grow with the input.
     Either way a worker is one core: the tokenizer's own threads are off, so that
     ``data.num_workers`` is the number of cores the stage uses.
@@ -139,6 +139,9 @@ def encode_chunks(
             for batch in batches:
                 yield encode_chunk(batch, tokenizer, policy)
         return
+    # Fork: workers start at once, with no re-import and no pickled tokenizer. Arrow and the
+    # tokenizers library reset their thread pools in a forked child; a spawn-like start
+    # would cost seconds per worker and re-run the caller's main module.
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(
         num_workers, mp_context=context, initializer=_start_worker, initargs=(tokenizer,)
