@@ -108,7 +108,7 @@ def test_stage_trains_on_the_training_split(tmp_path, monkeypatch):
     assert tok.tokenizer_hash(tok.load_tokenizer(paths.TOKENIZER)) == info["hash"]
 
 
-def test_corpus_streams_one_row_group_at_a_time(tmp_path, monkeypatch):
+def test_corpus_is_read_one_row_group_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(conversations, "ROW_GROUP", 2)
     monkeypatch.setattr(tok, "ROW_GROUP", 2)
     call = {"type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}
@@ -118,6 +118,14 @@ def test_corpus_streams_one_row_group_at_a_time(tmp_path, monkeypatch):
     ]
     rows[3]["messages"].append({"role": "assistant", "content": "", "tool_calls": [call]})
     write_conversations(rows, tmp_path / "c.parquet")
-    batches = tok.corpus_texts(tmp_path / "c.parquet")
-    assert not isinstance(batches, list)
-    assert list(batches) == [["u0", "u1"], ["u2", "u3", "", "lookup", '{"q": 1}']]
+    read = []
+    monkeypatch.setattr(tok, "iter_batches", lambda *args: spy(read, *args))
+    texts = tok.corpus_texts(tmp_path / "c.parquet")
+    assert next(texts) == "u0" and len(read) == 1
+    assert list(texts) == ["u1", "u2", "u3", "", "lookup", '{"q": 1}'] and len(read) == 2
+
+
+def spy(read: list, *args):
+    for batch in conversations.iter_batches(*args):
+        read.append(len(batch))
+        yield batch

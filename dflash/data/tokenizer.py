@@ -49,10 +49,8 @@ Tool calls render as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` 
 content, as Qwen's templates do; tool results are turns of role ``tool``."""
 
 
-def train_tokenizer(
-    texts: Iterable[str] | Iterable[list[str]], vocab_size: int
-) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on ``texts`` (strings or batches of strings, streamed).
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``texts``, streamed: the trainer keeps word counts only.
 
     Byte-level, so any string encodes and no unknown token is needed.
     """
@@ -108,17 +106,19 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerFast) -> str:
     return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
-def corpus_texts(path: str | Path) -> Iterator[list[str]]:
-    """The text a BPE learns from, a batch of strings per row group, never the whole file.
+def corpus_texts(path: str | Path) -> Iterator[str]:
+    """The text a BPE learns from, read one row group at a time: never the whole file.
 
     Message contents and tool calls; template markup is special tokens and not learned.
+    Strings, not lists of them: the trainer reads a few hundred items ahead, and a few
+    hundred row groups would be the whole corpus again.
     """
     for batch in iter_batches(path, ROW_GROUP):
         messages = batch.column("messages").flatten()
         calls = messages.field("tool_calls").flatten().field("function")
-        texts = messages.field("content").drop_null().to_pylist()
-        texts += calls.field("name").to_pylist() + calls.field("arguments").to_pylist()
-        yield texts
+        yield from messages.field("content").drop_null().to_pylist()
+        yield from calls.field("name").to_pylist()
+        yield from calls.field("arguments").to_pylist()
 
 
 def run(config: Config) -> None:
