@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from dflash import paths
 from dflash.config import Config, ConfigError
 from dflash.data.chitchat import load_chitchat
-from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches
+from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, open_parquet
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
 from dflash.fileio import atomic_dir, write_json_atomic
 
@@ -58,7 +58,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
 def read_parquet(path: str | Path) -> Iterator[tuple[int, object]]:
     """``(row number, record)`` for every row of a Parquet file, one batch in memory."""
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=READ_BATCH):
+    for batch in open_parquet(path).iter_batches(batch_size=READ_BATCH):
         for row in batch.to_pylist():
             number += 1
             yield number, row
