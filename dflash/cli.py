@@ -48,6 +48,7 @@ STAGES: dict[str, Stage] = {
     "tokenize": Stage(
         "dflash.data.tokenize:run",
         params=("data.max_seq_len", "data.overlength", "data.chunk_size", "drafter.block_size"),
+        knobs=("data.num_workers",),  # the token store is byte-identical for any count
     ),
     "stats": Stage(
         "dflash.batching.stats:run",

@@ -38,11 +38,15 @@ class DataConfig:
     """Keep only the first N conversations after ingest (None = all); for quick runs."""
     chunk_size: int = 1024
     """Records tokenized per chunk: bounds memory of the tokenize stage."""
+    num_workers: int | None = None
+    """Processes that tokenize; None = every core. The output is the same for any count."""
 
     def validate(self) -> None:
         _check_range("data.eval_fraction", self.eval_fraction, 0.0, 0.5)
         _check_min("data.max_seq_len", self.max_seq_len, 8)
         _check_min("data.chunk_size", self.chunk_size, 1)
+        if self.num_workers is not None:
+            _check_min("data.num_workers", self.num_workers, 1)
         if self.max_conversations is not None:
             _check_min("data.max_conversations", self.max_conversations, 1)
         if self.source == "chitchat":

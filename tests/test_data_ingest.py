@@ -6,11 +6,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dflash import cli, paths
 from dflash.config import Config, DataConfig
-from dflash.data import ingest
+from dflash.data import conversations, ingest
 from dflash.data.chitchat import chat_to_record
-from dflash.data.conversations import read_conversations, write_conversations
-from dflash.data.records import RecordError, parse_record
+from dflash.data.conversations import ConversationWriter, read_conversations, write_conversations
+from dflash.data.records import BOM, RecordError, parse_record
 
 OPENAI = {
     "id": "a1",
@@ -51,12 +52,19 @@ def test_sharegpt_record_maps_roles_and_hashes_an_id():
     [
         ([1, 2], "wrong_shape"),
         ({"text": "hi"}, "wrong_shape"),
-        ({"messages": "hi"}, "wrong_shape"),
+        ({"messages": 3}, "wrong_shape"),
+        ({"messages": "hi"}, "invalid_json"),
+        ({"messages": "{}"}, "wrong_shape"),
         ({"messages": [{"role": "user", "content": ["a"]}]}, "wrong_shape"),
         ({"messages": [{"role": "user", "content": "a"}, "b"]}, "wrong_shape"),
         ({"messages": [{"role": "user"}, {"role": "assistant", "content": "a"}]}, "empty_content"),
         ({"messages": [{"role": "user", "content": " "}]}, "empty_content"),
-        ({"messages": [{"role": "tool", "content": "a"}]}, "unknown_role"),
+        ({"messages": [{"role": "bot", "content": "a"}]}, "unknown_role"),
+        ({"messages": [{"role": ["user"], "content": "a"}]}, "unknown_role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "wrong_shape"),
+        ({"messages": "[{not json"}, "invalid_json"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, "wrong_shape"),
+        ({"messages": [{"role": "tool", "content": "a"}]}, "no_assistant_turn"),
         ({"conversations": [{"from": "user", "value": "a"}]}, "unknown_role"),
         ({"messages": [{"role": "user", "content": "a"}]}, "no_assistant_turn"),
     ],
@@ -126,29 +134,44 @@ def numbered(conversations):
     return enumerate(({"id": f"c{i}", "messages": m} for i, m in enumerate(conversations)), 1)
 
 
-def test_split_is_deterministic_and_keyed_by_id():
-    train, heldout, report = ingest.ingest(numbered(CHATS), 0.2, None)
+def split(tmp_path, records, eval_fraction, max_conversations):
+    """``ingest.ingest`` into a fresh directory, read back: ``(train, heldout, report)``."""
+    out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
+    out.mkdir()
+    report = ingest.ingest(records, out, eval_fraction, max_conversations)
+    assert sorted(p.name for p in out.iterdir()) == ["conversations.parquet", "heldout.parquet"]
+    train = read_conversations(out / "conversations.parquet")
+    return train, read_conversations(out / "heldout.parquet"), report
+
+
+def test_split_is_deterministic_and_keyed_by_id(tmp_path):
+    train, heldout, report = split(tmp_path, numbered(CHATS), 0.2, None)
     assert 20 < len(heldout) < 60 and len(train) + len(heldout) == 200
     shuffled = list(numbered(CHATS))[::-1]
-    train2, heldout2, _ = ingest.ingest(shuffled, 0.2, None)
+    train2, heldout2, _ = split(tmp_path, shuffled, 0.2, None)
     assert {c["conversation_id"] for c in heldout} == {c["conversation_id"] for c in heldout2}
 
 
-def test_max_conversations_caps_training_split_only():
-    train, heldout, report = ingest.ingest(numbered(CHATS), 0.2, 10)
-    full_train, full_heldout, _ = ingest.ingest(numbered(CHATS), 0.2, None)
+def test_max_conversations_caps_training_split_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(ingest, "READ_BATCH", 7)  # the cap streams over several batches
+    train, heldout, report = split(tmp_path, numbered(CHATS), 0.2, 10)
+    full_train, full_heldout, _ = split(tmp_path, numbered(CHATS), 0.2, None)
     assert len(train) == 10 and heldout == full_heldout
     assert report["left_out_by_max_conversations"] == len(full_train) - 10
-    assert all(c in full_train for c in train)
+    assert [c for c in full_train if c in train] == train
+    smallest = sorted(full_train, key=lambda c: ingest.split_key(c["conversation_id"]))[:10]
+    assert sorted(c["conversation_id"] for c in smallest) == sorted(
+        c["conversation_id"] for c in train
+    )
 
 
-def test_same_id_with_other_content_is_kept_under_a_new_id():
+def test_same_id_with_other_content_is_kept_under_a_new_id(tmp_path):
     other = {
         **OPENAI,
         "messages": [*OPENAI["messages"][:2], {"role": "assistant", "content": "Hey."}],
     }
     records = [(1, OPENAI), (2, other)]
-    train, _, report = ingest.ingest(records, 0.0, None)
+    train, _, report = split(tmp_path, records, 0.0, None)
     assert len(train) == 2 and report["duplicate_ids_renamed"]["count"] == 1
     assert train[0]["conversation_id"] == "a1" != train[1]["conversation_id"]
 
@@ -178,3 +201,139 @@ def test_conversations_round_trip(tmp_path):
     write_conversations(rows, tmp_path / "c.parquet")
     assert read_conversations(tmp_path / "c.parquet") == rows
     assert not list(tmp_path.glob("*.tmp"))
+
+
+TOOL_CALL = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+OPENAI_TOOLS = {
+    "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", **TOOL_CALL}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 3}'},
+        {"role": "assistant", "content": "3 degrees."},
+    ]
+}
+SHAREGPT_TOOLS = {
+    "conversations": [
+        {"from": "human", "value": "Weather in Oslo?"},
+        {"from": "function_call", "value": '{"name": "weather", "arguments": {"city": "Oslo"}}'},
+        {"from": "observation", "value": '{"temp": 3}'},
+        {"from": "gpt", "value": "3 degrees."},
+    ]
+}
+TOOL_MESSAGES = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "content": '{"temp": 3}'},
+    {"role": "assistant", "content": "3 degrees."},
+]
+
+
+def test_tool_call_conversations_are_kept_in_one_shape():
+    assert parse_record(OPENAI_TOOLS)["messages"] == TOOL_MESSAGES
+    assert parse_record(SHAREGPT_TOOLS)["messages"] == TOOL_MESSAGES
+
+
+def test_text_part_lists_are_flattened():
+    parts = [{"type": "text", "text": "Look:"}, {"type": "text", "text": "what is it?"}]
+    record = {"messages": [{"role": "user", "content": parts}, OPENAI["messages"][2]]}
+    assert parse_record(record)["messages"][0] == {"role": "user", "content": "Look:\nwhat is it?"}
+
+
+def run_cli(source, *extra) -> int:
+    return cli.main(["ingest", "--set", f"data.source={source}", *extra])
+
+
+def test_bom_jsonl_and_tool_calls_round_trip_through_the_stage(tmp_path, monkeypatch):
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(BOM + b"\n".join(json.dumps(r).encode() for r in (OPENAI, OPENAI_TOOLS)))
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(source, "--set", "data.eval_fraction=0") == 0
+    train = read_conversations(tmp_path / paths.CONVERSATIONS)
+    assert [c["messages"] for c in train] == [OPENAI["messages"], TOOL_MESSAGES]
+
+
+def test_parquet_messages_column_of_json_strings_is_parsed(tmp_path, monkeypatch):
+    rows = [{"messages": json.dumps(r["messages"])} for r in (OPENAI, OPENAI_TOOLS)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(tmp_path / "in.parquet", "--set", "data.eval_fraction=0") == 0
+    train = read_conversations(tmp_path / paths.CONVERSATIONS)
+    assert [c["messages"] for c in train] == [OPENAI["messages"], TOOL_MESSAGES]
+
+
+def test_no_usable_record_fails_with_the_report_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    source = tmp_path / "bad.jsonl"
+    write_jsonl(source, [b"{oops", json.dumps({"messages": []}).encode()])
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(source) == 1
+    err = capsys.readouterr().err
+    assert "no usable training conversations" in err
+    report = json.loads(err[err.index("{") :])
+    assert report["skipped"]["invalid_json"] == {"count": 1, "first_lines": [1]}
+    assert report["skipped"]["wrong_shape"] == {"count": 1, "first_lines": [2]}
+    assert not (tmp_path / paths.INGESTED).exists()
+
+
+@pytest.mark.parametrize("name", ["missing.jsonl", "missing.parquet"])
+def test_missing_source_is_a_clear_error(tmp_path, monkeypatch, capsys, name):
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(tmp_path / name) == 2
+    err = capsys.readouterr().err
+    assert f"data.source = '{tmp_path / name}': no such file" in err and "Traceback" not in err
+
+
+def test_a_run_killed_between_writes_leaves_the_old_outputs(tmp_path, monkeypatch):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in numbered_records(40)))
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(source, "--set", "data.eval_fraction=0.3") == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / paths.INGESTED).iterdir()}
+    source.write_text("".join(json.dumps(r) + "\n" for r in numbered_records(80)))
+    closed = []
+
+    def close_then_die(self):
+        original_close(self)
+        closed.append(self)
+        if len(closed) == 2:  # the training split is written, the held-out split is not
+            raise KeyboardInterrupt
+
+    original_close = ConversationWriter.close
+    monkeypatch.setattr(ConversationWriter, "close", close_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_cli(source, "--set", "data.eval_fraction=0.3")
+    after = {p.name: p.read_bytes() for p in (tmp_path / paths.INGESTED).iterdir()}
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["ingested"]
+
+
+def numbered_records(n: int) -> list[dict]:
+    return [{"id": f"r{i}", "messages": chat} for i, chat in enumerate(CHATS[:n])]
+
+
+def test_report_is_exact_across_many_row_groups(tmp_path, monkeypatch):
+    """Streaming in groups of 3 rows counts and splits exactly as one pass in memory would."""
+    monkeypatch.setattr(conversations, "ROW_GROUP", 3)
+    lines = []
+    for i, record in enumerate(numbered_records(60)):
+        lines.append(json.dumps(record).encode())
+        if i % 7 == 0:
+            lines.append(json.dumps({"messages": record["messages"]}).encode())  # duplicate
+        if i % 11 == 0:
+            lines.append(b"[")
+    source = tmp_path / "in.jsonl"
+    write_jsonl(source, lines)
+    monkeypatch.chdir(tmp_path)
+    cap = ["--set", "data.max_conversations=30", "--set", "data.eval_fraction=0.3"]
+    assert run_cli(source, *cap) == 0
+    report = json.loads((tmp_path / paths.INGEST_REPORT).read_text())
+    duplicates = [n for n, line in enumerate(lines, 1) if line.startswith(b'{"messages"')]
+    broken = [n for n, line in enumerate(lines, 1) if line == b"["]
+    assert report["duplicates_removed"] == {"count": 9, "first_lines": duplicates[:5]}
+    assert report["skipped"]["invalid_json"] == {"count": 6, "first_lines": broken[:5]}
+    assert report["records_read"] == len(lines) == 75
+    heldout = read_conversations(tmp_path / paths.HELDOUT)
+    train = read_conversations(tmp_path / paths.CONVERSATIONS)
+    assert report["kept"] == {"train": 30, "heldout": len(heldout)} and len(train) == 30
+    assert report["left_out_by_max_conversations"] == 60 - len(heldout) - 30
+    assert pq.ParquetFile(tmp_path / paths.HELDOUT).metadata.num_row_groups > 1

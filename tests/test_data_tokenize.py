@@ -4,6 +4,7 @@ import json
 import pickle
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from dflash import paths
 from dflash.config import Config, DataConfig, DrafterConfig, TokenizerConfig
 from dflash.data import ingest, tokenize, tokenizer
 from dflash.data.chat import ChatTemplateError, encode_conversation, encode_conversations
+from dflash.data.conversations import SCHEMA
 from dflash.data.store import TokenStore, TokenStoreWriter
 
 CHAT = [
@@ -106,10 +108,19 @@ def rows(n: int) -> list[dict]:
     return chats
 
 
-def write_store(tok, directory, max_seq_len=200, overlength="truncate", min_loss=8, chunk=3):
+def batches(rows_: list[dict], size: int) -> list[pa.RecordBatch]:
+    return [
+        pa.RecordBatch.from_pylist(rows_[i : i + size], schema=SCHEMA)
+        for i in range(0, len(rows_), size)
+    ]
+
+
+def write_store(
+    tok, directory, max_seq_len=200, overlength="truncate", min_loss=8, chunk=3, workers=1
+):
     writer = TokenStoreWriter(directory)
-    chunks = [rows(10)[i : i + chunk] for i in range(0, 10, chunk)]
-    counts = tokenize.tokenize_chunks(chunks, tok, writer, max_seq_len, overlength, min_loss)
+    policy = tokenize.Policy(max_seq_len, overlength, min_loss)
+    counts = tokenize.tokenize_chunks(batches(rows(10), chunk), tok, writer, policy, workers)
     return writer.close(counts)
 
 
@@ -157,11 +168,7 @@ def test_stages_end_to_end(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     source = tmp_path / "chats.jsonl"
     source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(12)))
-    config = Config(
-        data=DataConfig(source=str(source), eval_fraction=0.1, max_seq_len=48, chunk_size=5),
-        tokenizer=TokenizerConfig(vocab_size=300),
-        drafter=DrafterConfig(block_size=2),
-    )
+    config = stage_config(source, chunk_size=5)
     outputs = []
     for _ in range(2):
         ingest.run(config)
@@ -176,3 +183,81 @@ def test_stages_end_to_end(tmp_path, monkeypatch):
     assert store.manifest["tokenizer_hash"] == info["hash"]
     assert store.manifest["mask_token_id"] == info["mask_token_id"]
     assert len(store) > 0 and store.lengths.max() <= 48
+
+
+def test_store_is_byte_identical_for_any_worker_count(tiny, tmp_path):
+    """Two forked workers with chunks in flight write exactly what one process writes."""
+    one = write_store(tiny, tmp_path / "one", chunk=2, workers=1)
+    two = write_store(tiny, tmp_path / "two", chunk=2, workers=2)
+    assert one == two and one["n_samples"] == 10
+    for name in ("tokens.bin", "loss_mask.bin", "index.parquet", "manifest.json"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+
+
+CALL = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "Checking.", "tool_calls": [CALL]},
+    {"role": "tool", "content": "3 degrees"},
+    {"role": "assistant", "content": "It is 3 degrees."},
+]
+
+
+def test_tool_calls_are_learned_and_tool_results_are_not(tiny):
+    ids, mask = encode_conversation(tiny, TOOL_CHAT)
+    call = '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    end = tokenizer.IM_END
+    assert masked_text(tiny, ids, mask) == f"Checking.{call}{end}It is 3 degrees.{end}"
+    assert tiny.decode(ids.tolist()) == tiny.apply_chat_template(TOOL_CHAT, tokenize=False)
+
+
+def test_tool_calls_are_learned_under_a_foreign_template(tiny):
+    """A template with its own tool-call markup, as Hugging Face templates render them."""
+    tiny.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+        "{% if m['tool_calls'] %}[CALLS]{% for c in m['tool_calls'] %}"
+        "{{ c['function']['name'] }}({{ c['function']['arguments'] }}){% endfor %}{% endif %}"
+        "{{ eos_token }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    try:
+        ids, mask = encode_conversation(tiny, TOOL_CHAT)
+    finally:
+        tiny.chat_template = tokenizer.CHAT_TEMPLATE
+    end = tokenizer.IM_END
+    expected = f'Checking.[CALLS]weather({{"city": "Oslo"}}){end}It is 3 degrees.{end}'
+    assert masked_text(tiny, ids, mask) == expected
+
+
+def stage_config(source, vocab_size=300, **data) -> Config:
+    data = {"eval_fraction": 0.1, "max_seq_len": 48, **data}
+    return Config(
+        data=DataConfig(source=str(source), **data),
+        tokenizer=TokenizerConfig(vocab_size=vocab_size),
+        drafter=DrafterConfig(block_size=2),
+    )
+
+
+def test_interrupted_stages_leave_their_old_outputs(tmp_path, monkeypatch):
+    """A tokenizer or tokenize run that dies before its last write changes nothing."""
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(12)))
+    config = stage_config(source)
+    ingest.run(config)
+    tokenizer.run(config)
+    paths.REGENERATED.mkdir(parents=True, exist_ok=True)
+    paths.REGENERATED_CONVERSATIONS.write_bytes(paths.CONVERSATIONS.read_bytes())
+    tokenize.run(config)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tokenizer, "write_json_atomic", die)
+    monkeypatch.setattr(tokenize, "write_json_atomic", die)
+    with pytest.raises(KeyboardInterrupt):
+        tokenizer.run(stage_config(source, vocab_size=320))
+    with pytest.raises(KeyboardInterrupt):
+        tokenize.run(stage_config(source, max_seq_len=64))
+    after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dflash import paths
 from dflash.config import Config, TokenizerConfig
+from dflash.data import conversations
 from dflash.data import tokenizer as tok
 from dflash.data.conversations import write_conversations
 
@@ -105,3 +106,26 @@ def test_stage_trains_on_the_training_split(tmp_path, monkeypatch):
     tok.run(Config(tokenizer=TokenizerConfig(vocab_size=300)))
     assert (paths.TOKENIZER / "tokenizer.json").read_bytes() == first
     assert tok.tokenizer_hash(tok.load_tokenizer(paths.TOKENIZER)) == info["hash"]
+
+
+def test_corpus_is_read_one_row_group_at_a_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(conversations, "ROW_GROUP", 2)
+    monkeypatch.setattr(tok, "ROW_GROUP", 2)
+    call = {"type": "function", "function": {"name": "lookup", "arguments": '{"q": 1}'}}
+    rows = [
+        {"conversation_id": str(i), "messages": [{"role": "user", "content": f"u{i}"}]}
+        for i in range(4)
+    ]
+    rows[3]["messages"].append({"role": "assistant", "content": "", "tool_calls": [call]})
+    write_conversations(rows, tmp_path / "c.parquet")
+    read = []
+    monkeypatch.setattr(tok, "iter_batches", lambda *args: spy(read, *args))
+    texts = tok.corpus_texts(tmp_path / "c.parquet")
+    assert next(texts) == "u0" and len(read) == 1
+    assert list(texts) == ["u1", "u2", "u3", "", "lookup", '{"q": 1}'] and len(read) == 2
+
+
+def spy(read: list, *args):
+    for batch in conversations.iter_batches(*args):
+        read.append(len(batch))
+        yield batch

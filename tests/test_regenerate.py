@@ -9,7 +9,10 @@ import pytest
 from conftest import run_stages
 
 from dflash import paths
-from dflash.data.conversations import read_conversations
+from dflash.config import Config, DataConfig
+from dflash.data import regenerate
+from dflash.data.conversations import read_conversations, write_conversations
+from dflash.data.regenerate import answer_turns
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.model.target import load_target
 from dflash.paths import REGENERATE_REPORT as REPORT
@@ -156,3 +159,37 @@ def test_sampling_is_seeded_per_shard(workspace):
     assert (workspace / paths.REGENERATED_CONVERSATIONS).read_bytes() == first
     run_stages(workspace, ["regenerate"], [*sampling, "regenerate.seed=1"])
     assert (workspace / paths.REGENERATED_CONVERSATIONS).read_bytes() != first
+
+
+def test_tool_calling_turns_are_kept_as_written():
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "r"},
+        {"role": "assistant", "content": "a"},
+    ]
+    assert answer_turns(messages) == [3]
+
+
+def test_an_interrupted_pass_through_leaves_old_conversations_and_no_report(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rows = [{"conversation_id": "a", "messages": [{"role": "assistant", "content": "x"}]}]
+    write_conversations(rows, paths.CONVERSATIONS)
+    config = Config(data=DataConfig(regenerate=False))
+    regenerate.run(config)
+    old = (tmp_path / paths.REGENERATED_CONVERSATIONS).read_bytes()
+    assert json.loads((tmp_path / REPORT).read_text())["conversations"] == 1
+    write_conversations(rows * 2, paths.CONVERSATIONS)
+
+    def die(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(regenerate.shutil, "copyfile", die)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate.run(config)
+    assert (tmp_path / paths.REGENERATED_CONVERSATIONS).read_bytes() == old
+    assert not (tmp_path / REPORT).exists()
+    assert sorted(p.name for p in (tmp_path / paths.REGENERATED).iterdir()) == [
+        "conversations.parquet"
+    ]

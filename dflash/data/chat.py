@@ -5,14 +5,18 @@ once, and each assistant content is located after the rendering of the messages 
 with the generation prompt (the text a served target sees before it answers). The fast
 tokenizer's offset mapping then turns those character spans into tokens. The special
 token right after an assistant content (``<|im_end|>``, ``<|eot_id|>``, ...) is learned
-too, because predicting the end of a turn is part of drafting it.
+too, because predicting the end of a turn is part of drafting it. An assistant turn that
+calls tools is learned whole, content and calls, whatever markup the template gives them;
+tool results, like user turns, are not learned.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Sequence
 
+import jinja2
 import numpy as np
 from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import _compile_jinja_template
@@ -54,12 +58,13 @@ def assistant_spans(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = 0
-        if i > 0:
-            prompt = render(messages[:i], add_generation_prompt=True)
-            start = len(prompt) if text.startswith(prompt) else _common_prefix(prompt, text)
+        prompt = _prompt(render, messages[:i])
+        start = len(prompt) if text.startswith(prompt) else _common_prefix(prompt, text)
         if limit is not None and start >= limit:
             break
+        if message.get("tool_calls"):
+            spans.append(_turn_span(render, messages[: i + 1], text, start))
+            continue
         content = message["content"]
         at = text.find(content, start)
         if at < 0:
@@ -72,6 +77,29 @@ def assistant_spans(
             )
         spans.append((at, at + len(content)))
     return spans
+
+
+def _prompt(render: Callable[..., str], before: Sequence[dict]) -> str:
+    """What the target sees before it answers; for a first turn, templates that cannot
+    render an empty chat give no prompt (searching then starts at the beginning)."""
+    try:
+        return render(before, add_generation_prompt=True)
+    except jinja2.TemplateError:
+        if before:
+            raise
+        return ""
+
+
+def _turn_span(render: Callable[..., str], upto: Sequence[dict], text: str, start: int) -> Span:
+    """The whole rendered turn of the last message of ``upto``, from ``start``.
+
+    A tool call's markup is the template's own (``<tool_call>``, ``[TOOL_CALLS]``, ...), so
+    the turn is found as the text the message adds to the chat rather than by searching
+    for its content. Trailing whitespace is left out, as it is outside a content span.
+    """
+    turn = render(upto)
+    end = len(turn) if text.startswith(turn) else _common_prefix(turn, text)
+    return start, start + len(text[start:end].rstrip())
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -112,20 +140,34 @@ def encode_conversations(
     """
     render = template_renderer(tokenizer)
     texts = [render(messages) for messages in conversations]
-    encoded = tokenizer(
-        texts, add_special_tokens=False, return_offsets_mapping=True, return_attention_mask=False
-    )
     ends = end_of_turn_ids(tokenizer)
     results = []
-    for messages, text, ids, offsets in zip(
-        conversations, texts, encoded["input_ids"], encoded["offset_mapping"], strict=True
+    for messages, text, encoding in zip(
+        conversations, texts, _encode_batch(tokenizer, texts), strict=True
     ):
-        ids = np.asarray(ids[:max_tokens], dtype=np.uint32)
-        offsets = np.asarray(offsets[:max_tokens], dtype=np.int64).reshape(-1, 2)
+        ids = encoding.ids[:max_tokens]
+        offsets = encoding.offsets[:max_tokens]
+        ids = np.fromiter(ids, dtype=np.uint32, count=len(ids))
+        flat = itertools.chain.from_iterable(offsets)
+        offsets = np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
         limit = int(offsets[-1, 1]) if max_tokens is not None and len(ids) else None
         spans = assistant_spans(render, messages, text, limit)
         results.append((ids, loss_mask(ids, offsets, spans, ends)))
     return results
+
+
+def _encode_batch(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> list:
+    """The Rust tokenizer's encodings of ``texts``, as ``tokenizer(texts)`` computes them.
+
+    Calling the backend directly skips converting every encoding to Python lists twice;
+    truncation and padding are switched off first, as ``tokenizer(texts)`` would.
+    """
+    backend = tokenizer.backend_tokenizer
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    return backend.encode_batch(texts, add_special_tokens=False)
 
 
 def encode_conversation(

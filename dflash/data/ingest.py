@@ -3,31 +3,52 @@
 Every input record ends up in exactly one place: the training split, the held-out split,
 or a counted line of the report (skip reason, duplicate, or left out by
 ``data.max_conversations``), so nothing disappears without a trace.
+
+Records stream through: both splits are written row group by row group as records arrive,
+and deduplication keeps a 16-byte digest per conversation, not the conversation, so memory
+stays flat whatever the corpus size. The outputs appear together or not at all.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import sys
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash import paths
-from dflash.config import Config
+from dflash.config import Config, ConfigError
 from dflash.data.chitchat import load_chitchat
-from dflash.data.conversations import write_conversations
-from dflash.data.records import REASONS, RecordError, content_hash, decode_line, parse_record
-from dflash.fileio import write_json_atomic
+from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, open_parquet
+from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
+from dflash.fileio import atomic_dir, write_json_atomic
 
 FIRST_LINES = 5
 """How many line numbers the report keeps per reason: enough to go and look."""
+READ_BATCH = 4096
+"""Parquet rows decoded to Python at a time."""
+
+
+class NoConversationsError(RuntimeError):
+    """No record of the source became a training conversation; ``report`` says why."""
+
+    def __init__(self, report: dict) -> None:
+        super().__init__(f"{report['source']}: no usable training conversations")
+        self.report = report
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
     """``(line number, record or RecordError)`` for every line of a JSONL file."""
     with open(path, "rb") as file:
         for number, raw in enumerate(file, start=1):
+            if number == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM) :]
             try:
                 yield number, decode_line(raw)
             except RecordError as err:
@@ -37,70 +58,121 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
 def read_parquet(path: str | Path) -> Iterator[tuple[int, object]]:
     """``(row number, record)`` for every row of a Parquet file, one batch in memory."""
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+    for batch in open_parquet(path).iter_batches(batch_size=READ_BATCH):
         for row in batch.to_pylist():
             number += 1
             yield number, row
 
 
+def id_digest(conversation_id: str) -> bytes:
+    """SHA-256 of an id: its first 16 bytes identify it, its first 8 place it in a split."""
+    return hashlib.sha256(conversation_id.encode("utf-8")).digest()
+
+
 def split_key(conversation_id: str) -> float:
     """Uniform in [0, 1) and fixed per id, so the split never depends on file order."""
-    digest = hashlib.sha256(conversation_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
+    return _key(id_digest(conversation_id)) / 2**64
+
+
+def _key(digest: bytes) -> int:
+    return int.from_bytes(digest[:8], "big")
+
+
+class Tally:
+    """The report's counts, and what deduplication must remember: 16 bytes per record."""
+
+    def __init__(self) -> None:
+        self.records_read = 0
+        self.skipped = {reason: _entry() for reason in REASONS}
+        self.duplicates = _entry()
+        self.renamed = _entry()
+        self.seen_content: set[bytes] = set()
+        self.seen_ids: set[bytes] = set()
+
+    def accept(self, number: int, record: object) -> tuple[dict, bytes] | None:
+        """The conversation and its id digest, or None when skipped or a duplicate (counted)."""
+        self.records_read += 1
+        try:
+            if isinstance(record, RecordError):
+                raise record
+            conversation = parse_record(record)
+        except RecordError as err:
+            _note(self.skipped[err.reason], number)
+            return None
+        content = content_digest(conversation["messages"])
+        if content in self.seen_content:
+            _note(self.duplicates, number)
+            return None
+        self.seen_content.add(content)
+        digest = id_digest(conversation["conversation_id"])
+        if digest[:16] in self.seen_ids:
+            conversation["conversation_id"] += f"~{content.hex()[:12]}"
+            digest = id_digest(conversation["conversation_id"])
+            _note(self.renamed, number)
+        self.seen_ids.add(digest[:16])
+        return conversation, digest
 
 
 def ingest(
-    records: Iterable[tuple[int, object]], eval_fraction: float, max_conversations: int | None
-) -> tuple[list[dict], list[dict], dict]:
-    """Validate, deduplicate and split numbered records: ``(train, heldout, report)``."""
-    skipped = {reason: {"count": 0, "first_lines": []} for reason in REASONS}
-    duplicates = {"count": 0, "first_lines": []}
-    renamed = {"count": 0, "first_lines": []}
-    seen_content: set[str] = set()
-    seen_ids: set[str] = set()
-    kept: list[dict] = []
-    n_read = 0
+    records: Iterable[tuple[int, object]],
+    out: Path,
+    eval_fraction: float,
+    max_conversations: int | None,
+) -> dict:
+    """Validate, deduplicate and split numbered records into ``out``; returns the report."""
+    tally = Tally()
+    train_path = out / paths.CONVERSATIONS.name
+    capped = out / "uncapped.parquet" if max_conversations is not None else train_path
+    train, heldout = ConversationWriter(capped), ConversationWriter(out / paths.HELDOUT.name)
+    train_keys = array("Q")  # 8 bytes a training conversation, for data.max_conversations
     for number, record in records:
-        n_read += 1
-        if isinstance(record, RecordError):
-            _note(skipped[record.reason], number)
+        accepted = tally.accept(number, record)
+        if accepted is None:
             continue
-        try:
-            conversation = parse_record(record)
-        except RecordError as err:
-            _note(skipped[err.reason], number)
-            continue
-        digest = content_hash(conversation["messages"])
-        if digest in seen_content:
-            _note(duplicates, number)
-            continue
-        seen_content.add(digest)
-        if conversation["conversation_id"] in seen_ids:
-            conversation["conversation_id"] += f"~{digest[:12]}"
-            _note(renamed, number)
-        seen_ids.add(conversation["conversation_id"])
-        kept.append(conversation)
-
-    heldout = [c for c in kept if split_key(c["conversation_id"]) < eval_fraction]
-    train = [c for c in kept if split_key(c["conversation_id"]) >= eval_fraction]
-    left_out = 0
-    if max_conversations is not None and len(train) > max_conversations:
-        chosen = sorted(range(len(train)), key=lambda i: split_key(train[i]["conversation_id"]))
-        keep = set(chosen[:max_conversations])
-        left_out = len(train) - max_conversations
-        train = [c for i, c in enumerate(train) if i in keep]
-    report = {
-        "records_read": n_read,
-        "kept": {"train": len(train), "heldout": len(heldout)},
-        "skipped": skipped,
-        "skipped_total": sum(s["count"] for s in skipped.values()),
-        "duplicates_removed": duplicates,
-        "duplicate_ids_renamed": renamed,
+        conversation, digest = accepted
+        if _key(digest) / 2**64 < eval_fraction:
+            heldout.write(conversation)
+        else:
+            train.write(conversation)
+            train_keys.append(_key(digest))
+    train.close()
+    heldout.close()
+    n_train = len(train_keys)
+    if max_conversations is not None:
+        n_train = cap_split(
+            capped, train_path, np.asarray(train_keys, np.uint64), max_conversations
+        )
+        capped.unlink()
+    return {
+        "records_read": tally.records_read,
+        "kept": {"train": n_train, "heldout": heldout.count},
+        "skipped": tally.skipped,
+        "skipped_total": sum(s["count"] for s in tally.skipped.values()),
+        "duplicates_removed": tally.duplicates,
+        "duplicate_ids_renamed": tally.renamed,
         "eval_fraction": eval_fraction,
         "max_conversations": max_conversations,
-        "left_out_by_max_conversations": left_out,
+        "left_out_by_max_conversations": len(train_keys) - n_train,
     }
-    return train, heldout, report
+
+
+def cap_split(source: Path, out: Path, keys: np.ndarray, limit: int) -> int:
+    """Copy the ``limit`` rows of smallest split key, in file order; returns how many.
+
+    Keyed by id like the split itself, so the kept subset does not depend on file order.
+    """
+    keep = np.zeros(len(keys), dtype=bool)
+    keep[np.argsort(keys, kind="stable")[:limit]] = True
+    with pq.ParquetWriter(out, SCHEMA) as writer:
+        start = 0
+        for batch in iter_batches(source, READ_BATCH):
+            writer.write_batch(batch.filter(pa.array(keep[start : start + len(batch)])))
+            start += len(batch)
+    return int(keep.sum())
+
+
+def _entry() -> dict:
+    return {"count": 0, "first_lines": []}
 
 
 def _note(entry: dict, number: int) -> None:
@@ -109,28 +181,46 @@ def _note(entry: dict, number: int) -> None:
         entry["first_lines"].append(number)
 
 
-def run(config: Config) -> None:
+def open_source(source: str) -> tuple[Iterable[tuple[int, object]], dict]:
+    """Numbered records of ``data.source``, and a dict of source-specific counts to report.
+
+    The counts fill in as the records are read.
+    """
+    if source == "chitchat":
+        extra = {"blank_messages_ignored": 0}
+
+        def chats() -> Iterator[dict]:
+            for record, blank in load_chitchat():
+                extra["blank_messages_ignored"] += blank
+                yield record
+
+        return enumerate(chats(), start=1), extra
+    if not Path(source).is_file():
+        raise ConfigError(f"data.source = {source!r}: no such file")
+    if source.endswith(".jsonl"):
+        return read_jsonl(source), {}
+    return read_parquet(source), {}
+
+
+def run(config: Config) -> int:
     """Read ``data.source`` and write both splits and the report under ``data/ingested``."""
     source = config.data.source
-    extra: dict = {}
-    if source == "chitchat":
-        chats = list(load_chitchat())
-        extra["blank_messages_ignored"] = sum(blank for _, blank in chats)
-        records: Iterable[tuple[int, object]] = enumerate((r for r, _ in chats), start=1)
-    elif source.endswith(".jsonl"):
-        records = read_jsonl(source)
-    else:
-        records = read_parquet(source)
-    train, heldout, report = ingest(
-        records, config.data.eval_fraction, config.data.max_conversations
-    )
-    report = {"source": source, **report, **extra}
-    write_conversations(train, paths.CONVERSATIONS)
-    write_conversations(heldout, paths.HELDOUT)
-    write_json_atomic(paths.INGEST_REPORT, report)
+    records, extra = open_source(source)
+    try:
+        with atomic_dir(paths.INGESTED) as out:
+            report = ingest(records, out, config.data.eval_fraction, config.data.max_conversations)
+            report = {"source": source, **report, **extra}
+            if report["kept"]["train"] == 0:
+                raise NoConversationsError(report)
+            write_json_atomic(out / paths.INGEST_REPORT.name, report)
+    except NoConversationsError as err:
+        print(f"ingest: {err}; nothing written. Report:", file=sys.stderr)
+        print(json.dumps(err.report, indent=2), file=sys.stderr)
+        return 1
     print(
-        f"ingest {source}: read {report['records_read']}, train {len(train)}, "
-        f"heldout {len(heldout)}, skipped {report['skipped_total']}, "
+        f"ingest {source}: read {report['records_read']}, train {report['kept']['train']}, "
+        f"heldout {report['kept']['heldout']}, skipped {report['skipped_total']}, "
         f"duplicates {report['duplicates_removed']['count']}, "
         f"left out by max_conversations {report['left_out_by_max_conversations']}"
     )
+    return 0

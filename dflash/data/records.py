@@ -1,8 +1,16 @@
 """Turn one raw input record into a normalized conversation, or say exactly why not.
 
-Two record schemas are accepted: OpenAI ``messages`` (``role``/``content``) and ShareGPT
-``conversations`` (``from``/``value``). Anything else raises :class:`RecordError` whose
-``reason`` is one of :data:`REASONS`, so ingest can count every skipped record by cause.
+Two record schemas are accepted: OpenAI ``messages`` (``role``/``content``, assistant
+``tool_calls``, ``tool`` results) and ShareGPT ``conversations`` (``from``/``value``, with
+``function_call`` and ``observation`` turns). A content may be a list of text parts, and the
+turns field may be a JSON string (as Parquet exports of nested data often hold). Anything else
+raises :class:`RecordError` whose ``reason`` is one of :data:`REASONS`, so ingest can count
+every skipped record by cause.
+
+A normalized message is ``{"role", "content"}`` with role ``system``, ``user``, ``assistant``
+or ``tool``; an assistant message may add ``tool_calls``, each ``{"type": "function",
+"function": {"name", "arguments"}}`` with the arguments as JSON text: the shape Hugging Face
+chat templates render.
 """
 
 from __future__ import annotations
@@ -18,8 +26,16 @@ REASONS = (
     "unknown_role",
     "no_assistant_turn",
 )
-OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant"}
-SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+OPENAI_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "gpt": "assistant",
+    "function_call": "assistant",
+    "observation": "tool",
+    "tool": "tool",
+}
+BOM = b"\xef\xbb\xbf"
 
 
 class RecordError(ValueError):
@@ -36,6 +52,10 @@ def decode_line(raw: bytes) -> object:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise RecordError("invalid_utf8", str(err)) from None
+    return _loads(text)
+
+
+def _loads(text: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
@@ -43,40 +63,91 @@ def decode_line(raw: bytes) -> object:
 
 
 def parse_record(record: object) -> dict:
-    """Normalize ``record`` to ``{"conversation_id", "messages": [{role, content}, ...]}``."""
+    """Normalize ``record`` to ``{"conversation_id", "messages": [message, ...]}``."""
     if not isinstance(record, dict):
         raise RecordError("wrong_shape", f"record is a {type(record).__name__}, not an object")
     if record.get("messages") is not None:
-        turns, role_key, content_key, roles = record["messages"], "role", "content", OPENAI_ROLES
+        turns, parse_turn = record["messages"], _openai_turn
     elif record.get("conversations") is not None:
-        turns, role_key, content_key, roles = (
-            record["conversations"],
-            "from",
-            "value",
-            SHAREGPT_ROLES,
-        )
+        turns, parse_turn = record["conversations"], _sharegpt_turn
     else:
         raise RecordError("wrong_shape", "neither a 'messages' nor a 'conversations' field")
+    if isinstance(turns, str):
+        turns = _loads(turns)
     if not isinstance(turns, list) or not turns:
         raise RecordError("wrong_shape", "the turns field is not a non-empty list")
-    messages = [_parse_turn(turn, i, role_key, content_key, roles) for i, turn in enumerate(turns)]
+    messages = [parse_turn(turn, i) for i, turn in enumerate(turns)]
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no_assistant_turn", "no turn has the assistant role")
     return {"conversation_id": record_id(record, messages), "messages": messages}
 
 
-def _parse_turn(turn: object, i: int, role_key: str, content_key: str, roles: dict) -> dict:
+def _openai_turn(turn: object, i: int) -> dict:
+    role = OPENAI_ROLES[_role(turn, i, "role", OPENAI_ROLES)]
+    calls = turn.get("tool_calls") if role == "assistant" else None
+    tool_calls = [_tool_call(call, i) for call in _list(calls, i)] if calls else []
+    return _message(role, _text(turn.get("content"), i), tool_calls, i)
+
+
+def _sharegpt_turn(turn: object, i: int) -> dict:
+    sender = _role(turn, i, "from", SHAREGPT_ROLES)
+    value = turn.get("value")
+    if sender != "function_call":
+        return _message(SHAREGPT_ROLES[sender], _text(value, i), [], i)
+    calls = _loads(value) if isinstance(value, str) else value
+    calls = calls if isinstance(calls, list) else [calls]
+    return _message("assistant", "", [_tool_call(call, i) for call in calls], i)
+
+
+def _role(turn: object, i: int, key: str, roles: dict) -> str:
     if not isinstance(turn, dict):
         raise RecordError("wrong_shape", f"turn {i} is a {type(turn).__name__}, not an object")
-    role = turn.get(role_key)
-    if role not in roles:
-        raise RecordError("unknown_role", f"turn {i} has {role_key} = {role!r}")
-    content = turn.get(content_key)
-    if content is not None and not isinstance(content, str):
-        raise RecordError("wrong_shape", f"turn {i} {content_key} is a {type(content).__name__}")
-    if not content or not content.strip():
-        raise RecordError("empty_content", f"turn {i} has no {content_key}")
-    return {"role": roles[role], "content": content}
+    role = turn.get(key)
+    if not isinstance(role, str) or role not in roles:
+        raise RecordError("unknown_role", f"turn {i} has {key} = {role!r}")
+    return role
+
+
+def _text(content: object, i: int) -> str:
+    """A content as text: a string, or a list of text parts joined by newlines."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(_is_text_part(part) for part in content):
+        return "\n".join(part["text"] for part in content)
+    raise RecordError("wrong_shape", f"turn {i} content is neither text nor text parts")
+
+
+def _is_text_part(part: object) -> bool:
+    return (
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+    )
+
+
+def _list(value: object, i: int) -> list:
+    if not isinstance(value, list):
+        raise RecordError("wrong_shape", f"turn {i} tool_calls is not a list")
+    return value
+
+
+def _tool_call(call: object, i: int) -> dict:
+    """One call as ``{"type": "function", "function": {"name", "arguments": JSON text}}``."""
+    function = call.get("function", call) if isinstance(call, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise RecordError("wrong_shape", f"turn {i} has a tool call without a function name")
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _message(role: str, content: str, tool_calls: list[dict], i: int) -> dict:
+    if not tool_calls and not content.strip():
+        raise RecordError("empty_content", f"turn {i} has no content")
+    message = {"role": role, "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
 
 
 def record_id(record: dict, messages: list[dict]) -> str:
@@ -85,10 +156,13 @@ def record_id(record: dict, messages: list[dict]) -> str:
         value = record.get(key)
         if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
             return str(value)
-    return content_hash(messages)
+    return content_digest(messages).hex()
 
 
-def content_hash(messages: list[dict]) -> str:
-    """Hash of the normalized messages: equal exactly when the conversations are equal."""
+def content_digest(messages: list[dict]) -> bytes:
+    """128-bit hash of the normalized messages: equal exactly when the conversations are equal.
+
+    Sixteen bytes a conversation is all deduplication keeps in memory.
+    """
     canonical = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]
+    return hashlib.sha256(canonical.encode("utf-8")).digest()[:16]

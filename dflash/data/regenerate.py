@@ -34,6 +34,7 @@ from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.fileio import atomic_path, write_json_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.target import load_target, target_device_dtype
+from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
 
 COUNTS = ("turns", "outside_window", "tokens_generated", "empty_responses", "unterminated")
@@ -109,6 +110,16 @@ def generate(
     return answers
 
 
+def answer_turns(messages: list[dict]) -> list[int]:
+    """Indices of the assistant turns to regenerate: those that call no tool.
+
+    A tool call stays as written: the tool results after it answer that call, not another.
+    """
+    return [
+        j for j, m in enumerate(messages) if m["role"] == "assistant" and not m.get("tool_calls")
+    ]
+
+
 def regenerate_shard(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -131,7 +142,7 @@ def regenerate_shard(
     stop_ids = stop_token_ids(tokenizer)
     generation = generation_config(config, stop_ids, tokenizer.pad_token_id)
     rows = [{**row, "messages": [dict(m) for m in row["messages"]]} for row in rows]
-    turns = [[j for j, m in enumerate(r["messages"]) if m["role"] == "assistant"] for r in rows]
+    turns = [answer_turns(r["messages"]) for r in rows]
     stats = dict.fromkeys(COUNTS, 0)
     for r in range(max((len(t) for t in turns), default=0)):
         slots = [(i, t[r]) for i, t in enumerate(turns) if len(t) > r]
@@ -240,8 +251,8 @@ def regenerate(config: Config) -> dict:
     totals = dict.fromkeys(COUNTS, 0)
     fresh = {"shards": 0, "conversations": 0, "tokens_generated": 0, "seconds": 0.0}
     output: list[dict] = []
-    turns = sum(m["role"] == "assistant" for r in rows for m in r["messages"])
-    progress = tqdm(total=turns, desc="regenerate", unit="turn")
+    turns = sum(len(answer_turns(r["messages"])) for r in rows)
+    progress = progress_bar(total=turns, desc="regenerate", unit="turn")
     starts = range(0, len(rows), size)
     for index, start in enumerate(starts):
         shard, stats, made = shard_of(
@@ -276,7 +287,9 @@ def regenerate(config: Config) -> dict:
 
 
 def copy_conversations() -> dict:
-    """``data.regenerate: false``: the training split passes through unchanged."""
+    """``data.regenerate: false``: the training split passes through unchanged.
+
+    A byte copy in the file system's own chunks: memory does not grow with the corpus."""
     with atomic_path(paths.REGENERATED_CONVERSATIONS) as tmp:
         shutil.copyfile(paths.CONVERSATIONS, tmp)
     paths.REGENERATED_SHARDS.mkdir(exist_ok=True)  # a declared out, even when left empty
@@ -286,6 +299,9 @@ def copy_conversations() -> dict:
 def run(config: Config) -> None:
     """Write ``paths.REGENERATED_CONVERSATIONS`` and ``data/regenerated/report.json``."""
     set_cpu_threads()
+    # The report is written last and marks a finished run: a run that dies leaves none,
+    # never an old one beside new conversations.
+    paths.REGENERATE_REPORT.unlink(missing_ok=True)
     report = regenerate(config) if config.data.regenerate else copy_conversations()
     write_json_atomic(paths.REGENERATE_REPORT, report)
     if report["skipped"]:

@@ -14,8 +14,6 @@ reading the rest, which is what a DataLoader with random batches needs.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -33,66 +31,89 @@ INDEX_SCHEMA = pa.schema(
         ("conversation_id", pa.string()),
     ]
 )
+INDEX_ROW_GROUP = 65536
+"""Index rows per row group: fixed, so the file's bytes never depend on how samples came."""
 
 
 class TokenStoreWriter:
-    """Append samples to a new store; it appears at ``directory`` only when closed.
+    """Append samples to a new store in ``directory``, in bounded memory.
 
-    Samples stream to disk as they come, so memory holds one sample plus a few integers of
-    index per sample. Writing happens in ``directory.tmp`` that replaces ``directory`` on
-    :meth:`close`, so an interrupted run never leaves a store that looks complete.
+    Tokens stream to disk as they come and the index is written a row group at a time, so
+    memory holds one batch of samples whatever the corpus size. The store is complete once
+    :meth:`close` has written the manifest; callers publish the directory atomically
+    (:func:`dflash.fileio.atomic_dir`) so an interrupted run never leaves one that looks done.
     """
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self.tmp = self.directory.with_name(self.directory.name + ".tmp")
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir(parents=True)
-        self._tokens = open(self.tmp / "tokens.bin", "wb")
-        self._mask = open(self.tmp / "loss_mask.bin", "wb")
-        self._lengths: list[int] = []
-        self._loss: list[int] = []
-        self._ids: list[str] = []
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._tokens = open(self.directory / "tokens.bin", "wb")
+        self._mask = open(self.directory / "loss_mask.bin", "wb")
+        self._index = pq.ParquetWriter(self.directory / "index.parquet", INDEX_SCHEMA)
+        self._pending: list[pa.Table] = []
+        self._n_pending = 0
+        self.n_samples = 0
+        self.n_tokens = 0
+        self.n_loss_tokens = 0
 
-    def append(self, ids: np.ndarray, loss_mask: np.ndarray, conversation_id: str) -> None:
-        if len(ids) != len(loss_mask):
-            raise ValueError(f"{conversation_id}: {len(ids)} tokens but {len(loss_mask)} mask")
-        self._tokens.write(np.ascontiguousarray(ids, dtype=TOKEN_DTYPE).tobytes())
-        self._mask.write(np.ascontiguousarray(loss_mask, dtype=MASK_DTYPE).tobytes())
-        self._lengths.append(len(ids))
-        self._loss.append(int(np.count_nonzero(loss_mask)))
-        self._ids.append(conversation_id)
-
-    def close(self, manifest: dict) -> dict:
-        """Write index and manifest (``manifest`` plus counts and dtypes), then publish."""
-        self._tokens.close()
-        self._mask.close()
-        lengths = np.asarray(self._lengths, dtype=np.int64)
-        offsets = np.cumsum(lengths) - lengths
-        index = pa.table(
+    def extend(
+        self,
+        tokens: np.ndarray,
+        mask: np.ndarray,
+        lengths: np.ndarray,
+        n_loss: np.ndarray,
+        ids: list[str],
+    ) -> None:
+        """Append samples given back to back: ``lengths[i]`` tokens of ``tokens`` and ``mask``,
+        ``n_loss[i]`` of them with loss."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        loss = np.asarray(n_loss, dtype=np.int64)
+        ends = np.cumsum(lengths)
+        self._tokens.write(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPE).tobytes())
+        self._mask.write(np.ascontiguousarray(mask, dtype=MASK_DTYPE).tobytes())
+        table = pa.table(
             {
-                "sample_id": np.arange(len(lengths), dtype=np.int64),
-                "offset": offsets,
+                "sample_id": np.arange(len(lengths), dtype=np.int64) + self.n_samples,
+                "offset": ends - lengths + self.n_tokens,
                 "length": lengths.astype(np.int32),
-                "n_loss_tokens": np.asarray(self._loss, dtype=np.int32),
-                "conversation_id": pa.array(self._ids, pa.string()),
+                "n_loss_tokens": loss.astype(np.int32),
+                "conversation_id": pa.array(ids, pa.string()),
             },
             schema=INDEX_SCHEMA,
         )
-        pq.write_table(index, self.tmp / "index.parquet")
+        self._pending.append(table)
+        self._n_pending += len(lengths)
+        self.n_samples += len(lengths)
+        self.n_tokens += int(lengths.sum())
+        self.n_loss_tokens += int(loss.sum())
+        if self._n_pending >= INDEX_ROW_GROUP:
+            self._flush(final=False)
+
+    def _flush(self, final: bool) -> None:
+        pending = pa.concat_tables(self._pending) if self._pending else INDEX_SCHEMA.empty_table()
+        whole = len(pending) if final else len(pending) // INDEX_ROW_GROUP * INDEX_ROW_GROUP
+        for start in range(0, whole, INDEX_ROW_GROUP):
+            self._index.write_table(pending.slice(start, min(INDEX_ROW_GROUP, whole - start)))
+        rest = pending.slice(whole)
+        self._pending, self._n_pending = ([rest] if len(rest) else []), len(rest)
+
+    def close(self, manifest: dict) -> dict:
+        """Write the rest of the index and the manifest (``manifest`` plus counts, dtypes)."""
+        self._tokens.close()
+        self._mask.close()
+        self._flush(final=True)
+        self._index.close()
         manifest = {
             **manifest,
-            "n_samples": len(lengths),
-            "n_tokens": int(lengths.sum()),
-            "n_loss_tokens": int(sum(self._loss)),
+            "n_samples": self.n_samples,
+            "n_tokens": self.n_tokens,
+            "n_loss_tokens": self.n_loss_tokens,
             "dtypes": {
                 "tokens": np.dtype(TOKEN_DTYPE).name,
                 "loss_mask": np.dtype(MASK_DTYPE).name,
             },
         }
-        (self.tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        shutil.rmtree(self.directory, ignore_errors=True)
-        os.replace(self.tmp, self.directory)
+        (self.directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         return manifest
 
 

@@ -1,60 +1,178 @@
 """The tokenize stage: conversations to a memory-mapped token store with a loss mask.
 
-Conversations stream through in chunks of ``data.chunk_size``, so memory is bounded by one
-chunk whatever the corpus size. Each sample is cut to ``data.max_seq_len`` (or dropped,
-per ``data.overlength``) and dropped when it has fewer than ``2 x drafter.block_size``
-loss tokens: too few for even one anchored block plus its targets. Every drop is counted.
+Conversations stream through in chunks of ``data.chunk_size``, encoded by
+``data.num_workers`` processes and written in input order, so memory is bounded by a few
+chunks whatever the corpus size and the store is byte-identical for any worker count. Each
+sample is cut to ``data.max_seq_len`` (or dropped, per ``data.overlength``) and dropped when
+it has fewer than ``2 x drafter.block_size`` loss tokens: too few for even one anchored
+block plus its targets. Every drop is counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
+import pyarrow as pa
 from transformers import PreTrainedTokenizerFast
 
 from dflash import paths
 from dflash.config import Config
 from dflash.data.chat import encode_conversations
-from dflash.data.conversations import count_conversations, iter_conversations
+from dflash.data.conversations import batch_rows, count_conversations, iter_batches
 from dflash.data.store import TokenStore, TokenStoreWriter
 from dflash.data.tokenizer import MASK_TOKEN, load_tokenizer, tokenizer_hash
-from dflash.fileio import write_json_atomic
+from dflash.fileio import atomic_dir, write_json_atomic
+from dflash.progress import progress_bar
 
 DROP_REASONS = ("overlength", "too_few_loss_tokens")
+CHUNKS_IN_FLIGHT = 2
+"""Chunks queued per worker: enough to keep every worker busy, few enough to bound memory."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What decides which samples are kept and how they are cut."""
+
+    max_seq_len: int
+    overlength: str
+    min_loss_tokens: int
+
+
+@dataclass
+class Encoded:
+    """One chunk's kept samples back to back, and what happened to the rest."""
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    n_loss: np.ndarray
+    ids: list[str]
+    read: int
+    truncated: int
+    dropped: dict[str, int]
+
+
+def encode_chunk(
+    batch: pa.RecordBatch, tokenizer: PreTrainedTokenizerFast, policy: Policy
+) -> Encoded:
+    """Encode, cut and filter one chunk of conversations."""
+    rows = batch_rows(batch)
+    # One token past the limit is enough to tell an overlength sample.
+    encoded = encode_conversations(
+        tokenizer, [row["messages"] for row in rows], max_tokens=policy.max_seq_len + 1
+    )
+    kept: list[tuple[np.ndarray, np.ndarray, str]] = []
+    truncated, dropped = 0, dict.fromkeys(DROP_REASONS, 0)
+    for row, (ids, mask) in zip(rows, encoded, strict=True):
+        if len(ids) > policy.max_seq_len:
+            if policy.overlength == "drop":
+                dropped["overlength"] += 1
+                continue
+            ids, mask = ids[: policy.max_seq_len], mask[: policy.max_seq_len]
+            truncated += 1
+        if np.count_nonzero(mask) < policy.min_loss_tokens:
+            dropped["too_few_loss_tokens"] += 1
+            continue
+        kept.append((ids, mask, row["conversation_id"]))
+    return Encoded(
+        tokens=np.concatenate([k[0] for k in kept] or [np.zeros(0, np.uint32)]),
+        mask=np.concatenate([k[1] for k in kept] or [np.zeros(0, np.uint8)]),
+        lengths=np.asarray([len(k[0]) for k in kept], dtype=np.int64),
+        n_loss=np.asarray([np.count_nonzero(k[1]) for k in kept], dtype=np.int64),
+        ids=[k[2] for k in kept],
+        read=len(rows),
+        truncated=truncated,
+        dropped=dropped,
+    )
+
+
+_worker_tokenizer: PreTrainedTokenizerFast | None = None
+PARALLELISM = "TOKENIZERS_PARALLELISM"
+
+
+def _start_worker(tokenizer: PreTrainedTokenizerFast) -> None:
+    global _worker_tokenizer
+    os.environ[PARALLELISM] = "false"
+    _worker_tokenizer = tokenizer
+
+
+@contextmanager
+def _single_threaded_tokenizer() -> Iterator[None]:
+    before = os.environ.get(PARALLELISM)
+    os.environ[PARALLELISM] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[PARALLELISM]
+        else:
+            os.environ[PARALLELISM] = before
+
+
+def _encode_in_worker(batch: pa.RecordBatch, policy: Policy) -> Encoded:
+    return encode_chunk(batch, _worker_tokenizer, policy)
+
+
+def encode_chunks(
+    batches: Iterable[pa.RecordBatch],
+    tokenizer: PreTrainedTokenizerFast,
+    policy: Policy,
+    num_workers: int,
+) -> Iterator[Encoded]:
+    """:func:`encode_chunk` of every batch, in input order, on ``num_workers`` processes.
+
+    One worker encodes in this process. More are started, each with the tokenizer, and at
+    most ``CHUNKS_IN_FLIGHT`` chunks per worker wait, so memory does not grow with the input.
+    Either way a worker is one core: the tokenizer's own threads are off, so that
+    ``data.num_workers`` is the number of cores the stage uses.
+    """
+    if num_workers <= 1:
+        with _single_threaded_tokenizer():
+            for batch in batches:
+                yield encode_chunk(batch, tokenizer, policy)
+        return
+    # Fork: workers start at once, with no re-import and no pickled tokenizer. Arrow and the
+    # tokenizers library reset their thread pools in a forked child; a spawn-like start
+    # would cost seconds per worker and re-run the caller's main module.
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(
+        num_workers, mp_context=context, initializer=_start_worker, initargs=(tokenizer,)
+    ) as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append(pool.submit(_encode_in_worker, batch, policy))
+            if len(pending) >= CHUNKS_IN_FLIGHT * num_workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
 
 
 def tokenize_chunks(
-    chunks: Iterable[list[dict]],
+    batches: Iterable[pa.RecordBatch],
     tokenizer: PreTrainedTokenizerFast,
     writer: TokenStoreWriter,
-    max_seq_len: int,
-    overlength: str,
-    min_loss_tokens: int,
-    progress: tqdm | None = None,
+    policy: Policy,
+    num_workers: int = 1,
+    progress=None,
 ) -> dict:
     """Encode and filter every chunk into ``writer``; returns the counts for the manifest."""
     counts = {"conversations_read": 0, "truncated": 0, "dropped": dict.fromkeys(DROP_REASONS, 0)}
-    for chunk in chunks:
-        # One token past the limit is enough to tell an overlength sample.
-        messages = [row["messages"] for row in chunk]
-        encoded = encode_conversations(tokenizer, messages, max_tokens=max_seq_len + 1)
-        for row, (ids, mask) in zip(chunk, encoded, strict=True):
-            counts["conversations_read"] += 1
-            if len(ids) > max_seq_len:
-                if overlength == "drop":
-                    counts["dropped"]["overlength"] += 1
-                    continue
-                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-                counts["truncated"] += 1
-            if np.count_nonzero(mask) < min_loss_tokens:
-                counts["dropped"]["too_few_loss_tokens"] += 1
-                continue
-            writer.append(ids, mask, row["conversation_id"])
+    for chunk in encode_chunks(batches, tokenizer, policy, num_workers):
+        writer.extend(chunk.tokens, chunk.mask, chunk.lengths, chunk.n_loss, chunk.ids)
+        counts["conversations_read"] += chunk.read
+        counts["truncated"] += chunk.truncated
+        for reason, n in chunk.dropped.items():
+            counts["dropped"][reason] += n
         if progress is not None:
-            progress.update(len(chunk))
+            progress.update(chunk.read)
     return counts
 
 
@@ -62,22 +180,16 @@ def tokenize_file(
     source: str | Path,
     tokenizer: PreTrainedTokenizerFast,
     out: str | Path,
-    max_seq_len: int,
-    overlength: str,
-    min_loss_tokens: int,
+    policy: Policy,
     chunk_size: int,
+    num_workers: int,
 ) -> dict:
     """Tokenize a conversations Parquet file into a store at ``out``; returns its manifest."""
     writer = TokenStoreWriter(out)
-    with tqdm(total=count_conversations(source), desc="tokenize", unit="conv") as progress:
+    total = count_conversations(source)
+    with progress_bar(total=total, desc="tokenize", unit="conv") as progress:
         counts = tokenize_chunks(
-            iter_conversations(source, chunk_size),
-            tokenizer,
-            writer,
-            max_seq_len,
-            overlength,
-            min_loss_tokens,
-            progress,
+            iter_batches(source, chunk_size), tokenizer, writer, policy, num_workers, progress
         )
     manifest = {
         "source": str(source),
@@ -86,9 +198,9 @@ def tokenize_file(
         "mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN),
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
-        "max_seq_len": max_seq_len,
-        "overlength": overlength,
-        "min_loss_tokens": min_loss_tokens,
+        "max_seq_len": policy.max_seq_len,
+        "overlength": policy.overlength,
+        "min_loss_tokens": policy.min_loss_tokens,
         **counts,
     }
     return writer.close(manifest)
@@ -108,21 +220,26 @@ def length_summary(lengths: np.ndarray) -> dict:
     }
 
 
+def worker_count(configured: int | None) -> int:
+    """``data.num_workers``, or every core this process may run on when it is null."""
+    return configured if configured is not None else len(os.sched_getaffinity(0))
+
+
 def run(config: Config) -> None:
     """Tokenize ``data/regenerated/conversations.parquet`` into ``data/tokenized``."""
     tokenizer = load_tokenizer(paths.TOKENIZER)
-    manifest = tokenize_file(
-        paths.REGENERATED_CONVERSATIONS,
-        tokenizer,
-        paths.TOKENIZED,
-        config.data.max_seq_len,
-        config.data.overlength,
-        2 * config.drafter.block_size,
-        config.data.chunk_size,
-    )
-    store = TokenStore(paths.TOKENIZED)
-    report = {**manifest, "length": length_summary(store.lengths)}
-    write_json_atomic(paths.TOKENIZE_REPORT, report)
+    policy = Policy(config.data.max_seq_len, config.data.overlength, 2 * config.drafter.block_size)
+    with atomic_dir(paths.TOKENIZED) as out:
+        manifest = tokenize_file(
+            paths.REGENERATED_CONVERSATIONS,
+            tokenizer,
+            out,
+            policy,
+            config.data.chunk_size,
+            worker_count(config.data.num_workers),
+        )
+        report = {**manifest, "length": length_summary(TokenStore(out).lengths)}
+        write_json_atomic(out / paths.TOKENIZE_REPORT.name, report)
     print(
         f"tokenize: {manifest['n_samples']} samples, {manifest['n_tokens']} tokens "
         f"({manifest['n_loss_tokens']} with loss), truncated {manifest['truncated']}, "

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dflash import paths
 from dflash.config import Config
-from dflash.data.conversations import read_conversations
-from dflash.fileio import reset_dir, write_json_atomic
+from dflash.data.conversations import ROW_GROUP, iter_batches
+from dflash.fileio import atomic_dir, write_json_atomic
 from dflash.fingerprint import digest
 
 MASK_TOKEN = "<|MASK|>"
@@ -31,17 +31,29 @@ INFO_FILE = "dflash_tokenizer.json"
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- set arguments = call['function']['arguments'] -%}"
+    "{{- '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' -}}"
+    "{{- (arguments if arguments is string else arguments | tojson) + '}</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- endif -%}"
 )
-"""ChatML, the format Qwen-family targets serve, so a default run tokenizes like a real one."""
+"""ChatML, the format Qwen-family targets serve, so a default run tokenizes like a real one.
+
+Tool calls render as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` after the
+content, as Qwen's templates do; tool results are turns of role ``tool``."""
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on ``texts``; any string encodes, no unknown token needed."""
+    """Train a byte-level BPE on ``texts``, streamed: the trainer keeps word counts only.
+
+    Byte-level, so any string encodes and no unknown token is needed.
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -94,18 +106,25 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerFast) -> str:
     return digest(state)
 
 
-def conversation_texts(rows: Iterable[dict]) -> Iterator[str]:
-    """Message contents, the text a BPE is trained on (template markup is special tokens)."""
-    for row in rows:
-        for message in row["messages"]:
-            yield message["content"]
+def corpus_texts(path: str | Path) -> Iterator[str]:
+    """The text a BPE learns from, read one row group at a time: never the whole file.
+
+    Message contents and tool calls; template markup is special tokens and not learned.
+    Strings, not lists of them: the trainer reads a few hundred items ahead, and a few
+    hundred row groups would be the whole corpus again.
+    """
+    for batch in iter_batches(path, ROW_GROUP):
+        messages = batch.column("messages").flatten()
+        calls = messages.field("tool_calls").flatten().field("function")
+        yield from messages.field("content").drop_null().to_pylist()
+        yield from calls.field("name").to_pylist()
+        yield from calls.field("arguments").to_pylist()
 
 
 def run(config: Config) -> None:
     """Write ``models/tokenizer``: trained on the training split, or ``tokenizer.path``."""
     if config.tokenizer.path is None:
-        rows = read_conversations(paths.CONVERSATIONS)
-        tokenizer = train_tokenizer(conversation_texts(rows), config.tokenizer.vocab_size)
+        tokenizer = train_tokenizer(corpus_texts(paths.CONVERSATIONS), config.tokenizer.vocab_size)
         source, added = "trained", False
     else:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.path, local_files_only=True)
@@ -114,8 +133,6 @@ def run(config: Config) -> None:
         if not tokenizer.chat_template:
             raise ValueError(f"tokenizer.path = {config.tokenizer.path}: has no chat_template")
         source, added = str(config.tokenizer.path), add_mask_token(tokenizer)
-    reset_dir(paths.TOKENIZER)  # no file of a previous tokenizer may stay beside this one
-    tokenizer.save_pretrained(str(paths.TOKENIZER))
     info = {
         "source": source,
         "mask_token": MASK_TOKEN,
@@ -124,5 +141,7 @@ def run(config: Config) -> None:
         "vocab_size": len(tokenizer),
         "hash": tokenizer_hash(tokenizer),
     }
-    write_json_atomic(paths.TOKENIZER / INFO_FILE, info)
+    with atomic_dir(paths.TOKENIZER) as out:  # no file of a previous tokenizer stays
+        tokenizer.save_pretrained(str(out))
+        write_json_atomic(out / INFO_FILE, info)
     print(f"tokenizer: {source}, {len(tokenizer)} tokens, {MASK_TOKEN} id {info['mask_token_id']}")

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from dflash import paths
 from dflash.config import Config
@@ -24,6 +23,7 @@ from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import dflash_generate, greedy_generate
 from dflash.model.target import load_target
+from dflash.progress import progress_bar
 
 
 @dataclass
@@ -63,7 +63,7 @@ def acceptance_by_position(accepted: list[int], block_size: int) -> list[float]:
 
 def evaluate_prompts(target, drafter, prompts, max_new_tokens, stop_ids) -> list[PromptResult]:
     results = []
-    for ids in tqdm(prompts, desc="evaluate", unit="prompt"):
+    for ids in progress_bar(prompts, desc="evaluate", unit="prompt"):
         t0 = time.perf_counter()
         reference = greedy_generate(target, ids, max_new_tokens, stop_ids)
         t1 = time.perf_counter()

@@ -13,10 +13,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.config import TargetConfig
+from dflash.progress import progress_bar
 
 IGNORE = -100
 """Label of positions that carry no loss (padding of the last packed row)."""
@@ -103,7 +103,7 @@ def pretrain(
     losses: list[float] = []
     tokens = 0
     start = time.perf_counter()
-    progress = tqdm(total=total, desc="target pretrain", unit="step")
+    progress = progress_bar(total=total, desc="target pretrain", unit="step")
     for _ in range(config.pretrain_epochs):
         order = torch.randperm(input_ids.shape[0], generator=generator)
         for batch in order.split(rows_per_batch):

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash import paths
@@ -31,6 +30,7 @@ from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
 from dflash.model.target import load_target
+from dflash.progress import progress_bar
 from dflash.train import checkpoint
 from dflash.train.batches import MicroBatch, StepDataset, make_loader
 from dflash.train.distributed import Dist, all_reduce_sum, barrier, init_distributed, shutdown
@@ -170,7 +170,7 @@ class Trainer:
         loader = make_loader(
             dataset, c.train.num_workers, c.train.prefetch, self.ctx.device.type == "cuda"
         )
-        bar = tqdm(
+        bar = progress_bar(
             total=len(steps),
             initial=first,
             desc=f"epoch {epoch + 1}/{c.train.epochs}",
