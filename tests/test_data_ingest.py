@@ -1,6 +1,7 @@
 """Ingest: both record schemas, every class of bad input counted, dedup, split, chitchat."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,6 +13,8 @@ from dflash.data import conversations, ingest
 from dflash.data.chitchat import chat_to_record
 from dflash.data.conversations import ConversationWriter, read_conversations, write_conversations
 from dflash.data.records import BOM, RecordError, parse_record
+
+PARAMS = Path(__file__).parents[1] / "params.yaml"
 
 OPENAI = {
     "id": "a1",
@@ -94,7 +97,7 @@ def test_jsonl_ingest_counts_every_skip_reason_with_line_numbers(tmp_path, monke
         *good[1:],  # 10..14
         b"",  # 15 blank line: invalid JSON, counted, not ignored
     ]
-    source = tmp_path / "in.jsonl"
+    source = raw_source(tmp_path, "in.jsonl")
     write_jsonl(source, lines)
     monkeypatch.chdir(tmp_path)
     ingest.run(Config(data=DataConfig(source=str(source), eval_fraction=0.0)))
@@ -239,12 +242,21 @@ def test_text_part_lists_are_flattened():
     assert parse_record(record)["messages"][0] == {"role": "user", "content": "Look:\nwhat is it?"}
 
 
+def raw_source(tmp_path, name: str):
+    """A source file where the ingest stage takes them from: ``data/raw/`` (a DVC dep)."""
+    (tmp_path / "data" / "raw").mkdir(parents=True, exist_ok=True)
+    return tmp_path / "data" / "raw" / name
+
+
 def run_cli(source, *extra) -> int:
-    return cli.main(["ingest", "--set", f"data.source={source}", *extra])
+    """Run ingest from ``source``'s workspace (two levels above ``data/raw/``)."""
+    relative = source.relative_to(source.parents[2])
+    params = ["--params", str(PARAMS)]
+    return cli.main(["ingest", *params, "--set", f"data.source={relative}", *extra])
 
 
 def test_bom_jsonl_and_tool_calls_round_trip_through_the_stage(tmp_path, monkeypatch):
-    source = tmp_path / "in.jsonl"
+    source = raw_source(tmp_path, "in.jsonl")
     source.write_bytes(BOM + b"\n".join(json.dumps(r).encode() for r in (OPENAI, OPENAI_TOOLS)))
     monkeypatch.chdir(tmp_path)
     assert run_cli(source, "--set", "data.eval_fraction=0") == 0
@@ -254,15 +266,15 @@ def test_bom_jsonl_and_tool_calls_round_trip_through_the_stage(tmp_path, monkeyp
 
 def test_parquet_messages_column_of_json_strings_is_parsed(tmp_path, monkeypatch):
     rows = [{"messages": json.dumps(r["messages"])} for r in (OPENAI, OPENAI_TOOLS)]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), raw_source(tmp_path, "in.parquet"))
     monkeypatch.chdir(tmp_path)
-    assert run_cli(tmp_path / "in.parquet", "--set", "data.eval_fraction=0") == 0
+    assert run_cli(raw_source(tmp_path, "in.parquet"), "--set", "data.eval_fraction=0") == 0
     train = read_conversations(tmp_path / paths.CONVERSATIONS)
     assert [c["messages"] for c in train] == [OPENAI["messages"], TOOL_MESSAGES]
 
 
 def test_no_usable_record_fails_with_the_report_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    source = tmp_path / "bad.jsonl"
+    source = raw_source(tmp_path, "bad.jsonl")
     write_jsonl(source, [b"{oops", json.dumps({"messages": []}).encode()])
     monkeypatch.chdir(tmp_path)
     assert run_cli(source) == 1
@@ -277,13 +289,13 @@ def test_no_usable_record_fails_with_the_report_and_writes_nothing(tmp_path, mon
 @pytest.mark.parametrize("name", ["missing.jsonl", "missing.parquet"])
 def test_missing_source_is_a_clear_error(tmp_path, monkeypatch, capsys, name):
     monkeypatch.chdir(tmp_path)
-    assert run_cli(tmp_path / name) == 2
+    assert run_cli(raw_source(tmp_path, name)) == 2
     err = capsys.readouterr().err
-    assert f"data.source = '{tmp_path / name}': no such file" in err and "Traceback" not in err
+    assert f"data.source = 'data/raw/{name}': no such file" in err and "Traceback" not in err
 
 
 def test_a_run_killed_between_writes_leaves_the_old_outputs(tmp_path, monkeypatch):
-    source = tmp_path / "in.jsonl"
+    source = raw_source(tmp_path, "in.jsonl")
     source.write_text("".join(json.dumps(r) + "\n" for r in numbered_records(40)))
     monkeypatch.chdir(tmp_path)
     assert run_cli(source, "--set", "data.eval_fraction=0.3") == 0
@@ -303,8 +315,8 @@ def test_a_run_killed_between_writes_leaves_the_old_outputs(tmp_path, monkeypatc
         run_cli(source, "--set", "data.eval_fraction=0.3")
     after = {p.name: p.read_bytes() for p in (tmp_path / paths.INGESTED).iterdir()}
     assert after == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "in.jsonl"]
-    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["ingested"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["ingested", "raw"]
 
 
 def numbered_records(n: int) -> list[dict]:
@@ -321,7 +333,7 @@ def test_report_is_exact_across_many_row_groups(tmp_path, monkeypatch):
             lines.append(json.dumps({"messages": record["messages"]}).encode())  # duplicate
         if i % 11 == 0:
             lines.append(b"[")
-    source = tmp_path / "in.jsonl"
+    source = raw_source(tmp_path, "in.jsonl")
     write_jsonl(source, lines)
     monkeypatch.chdir(tmp_path)
     cap = ["--set", "data.max_conversations=30", "--set", "data.eval_fraction=0.3"]
