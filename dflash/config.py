@@ -70,6 +70,8 @@ class TargetConfig:
     pretrain_epochs: int = 2
     pretrain_lr: float = 1.0e-2
     pretrain_batch_tokens: int = 4096
+    end_token_weight: float = 1.0
+    """Loss weight of the end-of-turn token in pretraining; w > 1 makes turns end sooner."""
     seed: int = 0
 
     def validate(self) -> None:
@@ -86,6 +88,7 @@ class TargetConfig:
                 f"target.num_attention_heads = {self.num_attention_heads}"
             )
         _check_min("target.pretrain_epochs", self.pretrain_epochs, 0)
+        _check_min("target.end_token_weight", self.end_token_weight, 1.0)
 
 
 @dataclass(frozen=True)
