@@ -182,11 +182,15 @@ class TrainConfig:
 class EvaluateConfig:
     num_prompts: int = 64
     max_new_tokens: int = 48
+    near_tie_margin: float = 0.05
+    """A divergence from greedy whose top-2 target logits are this close is a near-tie
+    (rounding, e.g. bf16 on GPU), counted apart from real lossless mismatches."""
     seed: int = 0
 
     def validate(self) -> None:
         _check_min("evaluate.num_prompts", self.num_prompts, 1)
         _check_min("evaluate.max_new_tokens", self.max_new_tokens, 1)
+        _check_min("evaluate.near_tie_margin", self.near_tie_margin, 0.0)
 
 
 @dataclass(frozen=True)

@@ -38,3 +38,6 @@ TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_PLOTS = Path("plots/train")
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_PLOTS = Path("plots/eval")
+TRAIN_LIVE = Path("dvclive/train")
+"""DVCLive's copy of the training curves and summary, written at every log row (rank 0)."""
+EVAL_LIVE = Path("dvclive/evaluate")
