@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from dflash.data.store import TokenStore
 from dflash.data.tokenizer import MASK_TOKEN, load_tokenizer
 from dflash.fileio import sha256_file, write_json_atomic
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.export import export_drafter
 from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
 from dflash.model.target import load_target
@@ -207,7 +207,7 @@ class Trainer:
         self._save()
         summary = self._summary()
         if self.ctx.is_main:
-            export_drafter(self.drafter, paths.DRAFTER)
+            export_drafter(self.drafter, paths.DRAFTER, self.target.config)
             write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")
@@ -430,12 +430,3 @@ def run_fingerprint(config: Config, plan_meta: dict[str, Any], manifest: dict[st
         "code": {p.name: sha256_file(p) for p in code},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def export_drafter(drafter: DFlashDrafter, out: Path) -> None:
-    """Write the Hugging Face style drafter directory atomically (tmp dir, then rename)."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
