@@ -196,7 +196,12 @@ class Trainer:
     def fit(self) -> None:
         t = self.config.train
         monitor = (
-            Monitor(self.config, paths.TRAIN_PLOTS, self.state["rows"])
+            Monitor(
+                self.config,
+                paths.TRAIN_PLOTS,
+                self.state["rows"],
+                self.state.setdefault("history", {}),
+            )
             if self.ctx.is_main
             else None
         )
@@ -208,6 +213,7 @@ class Trainer:
         summary = self._summary()
         if self.ctx.is_main:
             export_drafter(self.drafter, paths.DRAFTER, self.target.config)
+            summary |= monitor.stability()
             write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")
@@ -262,6 +268,8 @@ class Trainer:
             if result["finite"]:
                 self.state["epoch_loss"].append((epoch, result["loss"], result["weight"]))
             window.add(result, t2 - t0, t1 - t0)
+            if monitor is not None:
+                monitor.step(result)
             bar.update(1)
             bar.set_postfix(loss=f"{result['loss']:.3f}", lr=f"{result['lr']:.2e}")
             step = self.state["global_step"]
