@@ -1,4 +1,4 @@
-"""The drafter export carries what z-lab's reference, SGLang and vLLM read, in the training dtype."""
+"""The drafter export carries what z-lab's reference, SGLang and vLLM read, in the run dtype."""
 
 from __future__ import annotations
 
