@@ -117,9 +117,14 @@ class DrafterConfig:
     gamma: float = 7.0
     """Loss decay: slot k weighs exp(-(k-1)/gamma)."""
     anchors_per_sequence: int = 512
+    mask_token: str | None = None
+    """An existing token the drafter fills blocks with (a reserved special token of a target
+    with no spare embedding rows); None adds ``<|MASK|>`` to the tokenizer when missing."""
 
     def validate(self) -> None:
         _check_min("drafter.block_size", self.block_size, 2)
+        if self.mask_token is not None and not self.mask_token:
+            raise ConfigError("drafter.mask_token = '': name a token, or null for <|MASK|>")
         _check_min("drafter.num_hidden_layers", self.num_hidden_layers, 1)
         _check_min("drafter.num_target_features", self.num_target_features, 1)
         _check_min("drafter.gamma", self.gamma, 1e-6)

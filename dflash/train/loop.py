@@ -29,7 +29,7 @@ from dflash import paths
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
-from dflash.data.tokenizer import MASK_TOKEN, load_tokenizer
+from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import sha256_file, write_json_atomic
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
@@ -85,7 +85,7 @@ class Trainer:
 
         self.target = load_target(paths.TARGET, device=ctx.device)
         tokenizer = load_tokenizer(paths.TOKENIZER)
-        mask_token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        mask_token_id = tokenizer.mask_token_id
         d = config.drafter
         self.drafter = DFlashDrafter.from_target(
             self.target,
