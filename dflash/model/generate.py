@@ -82,14 +82,17 @@ class DrafterProposer:
         hidden = self.drafter(
             block, positions, self.features, self.context_positions, cache=self.cache
         )
+        self.features = self.context_positions = None  # in the cache now
         return self.drafter.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
 
     def commit(self, hidden_states: tuple[Tensor, ...] | None, position: int, count: int) -> None:
-        features = select_features(hidden_states, self.drafter.config.target_layer_ids)
-        self.features = features[:, :count]
-        self.context_positions = torch.arange(position, position + count, device=features.device)[
-            None
-        ]
+        """Keep the committed tokens' features for the next draft (with any not drafted yet)."""
+        new = select_features(hidden_states, self.drafter.config.target_layer_ids)[:, :count]
+        positions = torch.arange(position, position + count, device=new.device)[None]
+        if self.features is not None:
+            new = torch.cat([self.features, new], dim=1)
+            positions = torch.cat([self.context_positions, positions], dim=1)
+        self.features, self.context_positions = new, positions
 
 
 def _prompt(prompt_ids: list[int] | Tensor, device: torch.device) -> Tensor:
