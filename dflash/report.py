@@ -14,7 +14,7 @@ from typing import Any
 from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
-from dflash.eval.loops import ends_in_loop
+from dflash.eval.loops import text_ends_in_loop
 
 TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
 PLAN_SUMMARY = paths.PLANS / "summary.json"
@@ -157,14 +157,18 @@ def share(part: Any, whole: Any) -> float | None:
     return part / whole if numbers and whole else None
 
 
-def loop_share(root: Path) -> float | None:
-    """Share of the assistant turns in the regenerated data whose words end in a loop."""
+def looping_turns(root: Path) -> int | None:
+    """Assistant turns of the regenerated data that end in a repeating tail.
+
+    Turns beyond the window stay as people wrote them and rarely loop, so the count is set
+    against the regenerated turns.
+    """
     try:
         rows = read_conversations(root / paths.REGENERATED_CONVERSATIONS)
     except Exception:  # a report never raises: a missing or unreadable file shows n/a
         return None
-    turns = [m["content"].split() for r in rows for m in r["messages"] if m["role"] == "assistant"]
-    return share(sum(ends_in_loop(words) for words in turns), len(turns))
+    turns = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    return sum(text_ends_in_loop(text) for text in turns)
 
 
 def regenerate(d: dict, root: Path) -> list[str]:
@@ -172,8 +176,9 @@ def regenerate(d: dict, root: Path) -> list[str]:
         return [row("", ("skipped", "yes")) + "  (data.regenerate: false)"]
     rate = d.get("tokens_per_s")
     rate = "cached" if rate is None and "tokens_per_s" in d else num(rate, ",.0f")
-    cap = share(d.get("unterminated_responses"), d.get("turns_regenerated"))
-    return grid({**d, "rate": rate, "cap_share": cap, "loop_share": loop_share(root)}, REGENERATE)
+    turns = d.get("turns_regenerated")
+    cap, loops = share(d.get("unterminated_responses"), turns), share(looping_turns(root), turns)
+    return grid({**d, "rate": rate, "cap_share": cap, "loop_share": loops}, REGENERATE)
 
 
 def tokenize(d: dict) -> list[str]:

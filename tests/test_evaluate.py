@@ -10,7 +10,7 @@ import pytest
 from conftest import run_stages
 
 from dflash.eval.length_loss import loss_by_tercile
-from dflash.eval.loops import ends_in_loop
+from dflash.eval.loops import ends_in_loop, text_ends_in_loop
 from dflash.eval.metrics import (
     acceptance_by_position,
     bootstrap_interval,
@@ -75,6 +75,9 @@ def test_loop_detection():
     assert ends_in_loop([7] * 8)
     assert not ends_in_loop("that is a good question and i like it a lot".split())
     assert not ends_in_loop([7] * 5)
+    assert text_ends_in_loop("\n" * 48) and text_ends_in_loop("I" * 48)
+    assert text_ends_in_loop("no way i am fine i am fine")
+    assert not text_ends_in_loop("I'm") and not text_ends_in_loop("well, see you soon!")
 
 
 def test_loss_by_tercile_weights_and_splits_by_length():

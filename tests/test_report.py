@@ -107,6 +107,8 @@ REGENERATED = [
         {"role": "assistant", "content": "i am fine i am fine i am fine i am fine"},
         {"role": "user", "content": "and you"},
         {"role": "assistant", "content": "good to hear from you today"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "\n" * 48},
     ]},
 ]  # fmt: skip
 
@@ -122,7 +124,7 @@ def test_full_run_shows_key_figures(tmp_path):
         assert figure in text
     for figure in ("2.345", "54,321", "2.1%", "720", "3.46", "2.50", "90 75 50"):
         assert figure in text
-    for figure in ("30.0%", "50.0%", "0.43", "3.10-3.80", "3.01", "1.38", "1.00", "2.50", "2.25"):
+    for figure in ("30.0%", "0.43", "3.10-3.80", "3.01", "1.38", "1.00", "2.50", "2.25"):
         assert figure in text  # cap and loop shares, stability, τ and both baselines
     for figure in ("1.111", "3.333", "25.0%", "12.5%"):
         assert figure in text
@@ -155,3 +157,10 @@ def test_partial_and_broken_files_do_not_raise(tmp_path):
     assert "unreadable metrics/target.json" in text
     assert "packed" in text and "0.990" in text  # plan falls back to data/plans/summary.json
     assert "skipped" in text and "n/a" in text
+
+
+def test_loop_share_counts_word_and_character_loops_of_regenerated_turns(tmp_path):
+    report = {**FILES["data/regenerated/report.json"], "turns_regenerated": 4}
+    write(tmp_path, {"data/regenerated/report.json": report})
+    write_conversations(REGENERATED, tmp_path / "data/regenerated/conversations.parquet")
+    assert "end in a loop       50.0%" in render_report(tmp_path)

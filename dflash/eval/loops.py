@@ -24,3 +24,8 @@ def ends_in_loop(items: Sequence, max_period: int = MAX_PERIOD, min_tail: int = 
         if all(window[i] == window[i - period] for i in range(period, tail)):
             return True
     return False
+
+
+def text_ends_in_loop(text: str) -> bool:
+    """A repeating tail of words, or of characters (``"\\n\\n\\n..."``, ``"IIII..."``)."""
+    return ends_in_loop(text.split()) or ends_in_loop(text)
