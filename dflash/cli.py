@@ -39,7 +39,7 @@ STAGES: dict[str, Stage] = {
         "dflash.data.ingest:run",
         params=("data.source", "data.eval_fraction", "data.max_conversations"),
     ),
-    "tokenizer": Stage("dflash.data.tokenizer:run", params=("tokenizer",)),
+    "tokenizer": Stage("dflash.data.tokenizer:run", params=("tokenizer", "drafter.mask_token")),
     "target": Stage("dflash.model.target:run", params=("target", "data.max_seq_len")),
     "regenerate": Stage(
         "dflash.data.regenerate:run",
@@ -102,7 +102,11 @@ STAGES: dict[str, Stage] = {
             "logging.project",
         ),
     ),
-    "evaluate": Stage("dflash.eval.evaluate:run", params=("evaluate", "data.max_seq_len")),
+    "evaluate": Stage(
+        "dflash.eval.evaluate:run",
+        # gamma weighs the held-out drafter loss; train.seed makes the untrained baseline.
+        params=("evaluate", "data.max_seq_len", "drafter.gamma", "train.seed"),
+    ),
     "report": Stage("dflash.report:run"),
 }
 

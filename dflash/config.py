@@ -88,6 +88,8 @@ class TargetConfig:
     pretrain_epochs: int = 2
     pretrain_lr: float = 1.0e-2
     pretrain_batch_tokens: int = 4096
+    end_token_weight: float = 1.0
+    """Loss weight of the end-of-turn token in pretraining; w > 1 makes turns end sooner."""
     seed: int = 0
 
     def validate(self) -> None:
@@ -110,6 +112,7 @@ class TargetConfig:
                 f"target.num_attention_heads = {self.num_attention_heads}"
             )
         _check_min("target.pretrain_epochs", self.pretrain_epochs, 0)
+        _check_min("target.end_token_weight", self.end_token_weight, 1.0)
 
 
 @dataclass(frozen=True)
@@ -139,9 +142,14 @@ class DrafterConfig:
     gamma: float = 7.0
     """Loss decay: slot k weighs exp(-(k-1)/gamma)."""
     anchors_per_sequence: int = 512
+    mask_token: str | None = None
+    """An existing token the drafter fills blocks with (a reserved special token of a target
+    with no spare embedding rows); None adds ``<|MASK|>`` to the tokenizer when missing."""
 
     def validate(self) -> None:
         _check_min("drafter.block_size", self.block_size, 2)
+        if self.mask_token is not None and not self.mask_token:
+            raise ConfigError("drafter.mask_token = '': name a token, or null for <|MASK|>")
         _check_min("drafter.num_hidden_layers", self.num_hidden_layers, 1)
         _check_min("drafter.num_target_features", self.num_target_features, 1)
         _check_min("drafter.gamma", self.gamma, 1e-6)
@@ -212,12 +220,16 @@ class TrainConfig:
 class EvaluateConfig:
     num_prompts: int = 64
     max_new_tokens: int = 48
+    near_tie_margin: float = 0.05
+    """A divergence from greedy whose top-2 target logits are this close is a near-tie
+    (rounding, e.g. bf16 on GPU), counted apart from real lossless mismatches."""
     seed: int = 0
 
     def validate(self) -> None:
         _check_min("evaluate.num_prompts", self.num_prompts, 1)
         _check_min("evaluate.max_new_tokens", self.max_new_tokens, 1)
         _check_min("evaluate.seed", self.seed, 0)
+        _check_min("evaluate.near_tie_margin", self.near_tie_margin, 0.0)
 
 
 @dataclass(frozen=True)

@@ -55,3 +55,6 @@ TRAIN_LOG = TRAIN_PLOTS / "log.csv"
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_PLOTS = Path("plots/eval")
 EVAL_ACCEPTANCE = EVAL_PLOTS / "acceptance.csv"
+TRAIN_LIVE = Path("dvclive/train")
+"""DVCLive's copy of the training curves and summary, written at every log row (rank 0)."""
+EVAL_LIVE = Path("dvclive/evaluate")

@@ -13,6 +13,8 @@ from typing import Any
 
 from dflash import paths
 from dflash.config import Config
+from dflash.data.conversations import read_conversations
+from dflash.eval.loops import text_ends_in_loop
 
 TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
 PLAN_SUMMARY = paths.PLANS / paths.PLAN_SUMMARY
@@ -80,6 +82,8 @@ INGEST: list[list[Cell]] = [
 REGENERATE: list[list[Cell]] = [
     [("turns", "turns_regenerated", ","), ("tokens", "tokens_generated", ","),
      ("tokens/s", "rate", "s")],
+    [("hit the cap", "cap_share", ".1%"), ("end in a loop", "loop_share", ".1%"),
+     ("empty", "empty_responses", ",")],
 ]  # fmt: skip
 TOKENIZE: list[list[Cell]] = [
     [("samples", "n_samples", ","), ("tokens", "n_tokens", ","),
@@ -105,11 +109,21 @@ TRAINING: list[list[Cell]] = [
      ("skipped steps", "skipped_steps", ",")],
     [("data wait", "data_wait_fraction", ".1%"), ("world size", "world_size", ","),
      ("seconds", "train_seconds", ",.0f")],
+    [("loss spikes", "loss_spikes", ","), ("grad-norm CV", "grad_norm_cv", ".2f")],
 ]  # fmt: skip
 EVALUATION: list[list[Cell]] = [
-    [("tau (accept)", "acceptance_length", ".2f"), ("mismatches", "lossless_mismatches", ","),
-     ("speedup x", "speedup", ".2f")],
-    [("prompts", "n_prompts", ","), ("greedy tok/s", "greedy_tokens_per_s", ",.0f"),
+    [("tau/response", "acceptance_length", ".2f"), ("tau 95% CI", "ci", "s"),
+     ("tau pooled", "acceptance_length_pooled", ".2f")],
+    [("n-gram tau", "ngram_tau", ".2f"), ("untrained tau", "untrained_tau", ".2f"),
+     ("x n-gram tau", "vs_ngram", ".2f")],
+    [("speedup x", "speedup", ".2f"), ("n-gram speedup", "ngram_speedup", ".2f"),
+     ("wall speedup x", "speedup_wall", ".2f")],
+    [("mismatches", "lossless_mismatches", ","), ("near-ties", "near_tie_divergences", ","),
+     ("prompts", "n_prompts", ",")],
+    [("loss short", "loss_short", ".3f"), ("loss medium", "loss_medium", ".3f"),
+     ("loss long", "loss_long", ".3f")],
+    [("answers capped", "answer_cap_fraction", ".1%"),
+     ("answers loop", "answer_loop_fraction", ".1%"),
      ("dflash tok/s", "dflash_tokens_per_s", ",.0f")],
 ]  # fmt: skip
 
@@ -138,12 +152,33 @@ def ingest(d: dict) -> list[str]:
     return grid(flat, INGEST) + because("skipped", d.get("skipped"))
 
 
-def regenerate(d: dict) -> list[str]:
+def share(part: Any, whole: Any) -> float | None:
+    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (part, whole))
+    return part / whole if numbers and whole else None
+
+
+def looping_turns(root: Path) -> int | None:
+    """Assistant turns of the regenerated data that end in a repeating tail.
+
+    Turns beyond the window stay as people wrote them and rarely loop, so the count is set
+    against the regenerated turns.
+    """
+    try:
+        rows = read_conversations(root / paths.REGENERATED_CONVERSATIONS)
+    except Exception:  # a report never raises: a missing or unreadable file shows n/a
+        return None
+    turns = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
+    return sum(text_ends_in_loop(text) for text in turns)
+
+
+def regenerate(d: dict, root: Path) -> list[str]:
     if d.get("skipped"):
         return [row("", ("skipped", "yes")) + "  (data.regenerate: false)"]
     rate = d.get("tokens_per_s")
     rate = "cached" if rate is None and "tokens_per_s" in d else num(rate, ",.0f")
-    return grid({**d, "rate": rate}, REGENERATE)
+    turns = d.get("turns_regenerated")
+    cap, loops = share(d.get("unterminated_responses"), turns), share(looping_turns(root), turns)
+    return grid({**d, "rate": rate, "cap_share": cap, "loop_share": loops}, REGENERATE)
 
 
 def tokenize(d: dict) -> list[str]:
@@ -152,7 +187,20 @@ def tokenize(d: dict) -> list[str]:
 
 
 def evaluation(d: dict) -> list[str]:
-    out = grid(d, EVALUATION)
+    base = as_dict(d.get("baselines"))
+    ngram, untrained = as_dict(base.get("ngram")), as_dict(base.get("untrained"))
+    ci = d.get("acceptance_length_ci95")
+    by_length = as_dict(d.get("heldout_loss_by_length"))
+    flat = {
+        **d,
+        "ci": f"{num(ci[0], '.2f')}-{num(ci[1], '.2f')}" if isinstance(ci, list) else None,
+        "ngram_tau": ngram.get("acceptance_length"),
+        "ngram_speedup": ngram.get("speedup"),
+        "untrained_tau": untrained.get("acceptance_length"),
+        "vs_ngram": share(d.get("acceptance_length"), ngram.get("acceptance_length")),
+        **{f"loss_{k}": v for k, v in by_length.items()},
+    }
+    out = grid(flat, EVALUATION)
     per = d.get("per_position_acceptance")
     per = [p for p in per if isinstance(p, int | float)] if isinstance(per, list) else []
     if per:
@@ -181,7 +229,8 @@ def render_report(root: Path) -> str:
     flag = mismatch_flag(ev) if isinstance(ev, dict) else None
     lines = ["dflash report", *([flag] if flag else []), ""]
     lines += section("ingest", "ingest", read(root, paths.INGEST_REPORT), ingest)
-    lines += section("regenerate", "regenerate", read(root, paths.REGENERATE_REPORT), regenerate)
+    regen = read(root, paths.REGENERATE_REPORT)
+    lines += section("regenerate", "regenerate", regen, lambda d: regenerate(d, root))
     tok_data = {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
     lines += section("tokenize", "tokenize", tok_data, tokenize)
     lines += ["", *section("target", "target", read(root, paths.TARGET_METRICS), TARGET)]

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from dflash import paths
 from dflash.config import load_config
+from dflash.model.export import export_drafter
 from dflash.train import checkpoint
 
 ONE_PROCESS = ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1000"]
@@ -82,7 +83,7 @@ def test_export_is_whole_or_absent(tmp_path, monkeypatch, fail_after):
     (out / "model.safetensors").write_text("old")
 
     class Drafter:
-        def save_pretrained(self, directory):
+        def save_pretrained(self, directory, target_config):
             (directory / "config.json").write_text("new")
             if fail_after == 0:
                 raise KeyboardInterrupt
@@ -90,7 +91,7 @@ def test_export_is_whole_or_absent(tmp_path, monkeypatch, fail_after):
             raise OSError("disk full")
 
     with pytest.raises((KeyboardInterrupt, OSError)):
-        checkpoint.export_drafter(Drafter(), out)
+        export_drafter(Drafter(), out, target_config=None)
     assert {p.name: p.read_text() for p in out.iterdir()} == {
         "config.json": "old",
         "model.safetensors": "old",

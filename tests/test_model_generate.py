@@ -7,9 +7,11 @@ import torch
 from conftest import tiny_qwen3
 from transformers import Qwen3ForCausalLM
 
+from dflash.eval.lossless import classify
+from dflash.eval.ngram import NgramProposer
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features
-from dflash.model.generate import dflash_generate, greedy_generate
+from dflash.model.generate import dflash_generate, greedy_generate, speculative_generate
 from dflash.model.objective import dflash_objective
 
 BS = 4
@@ -114,3 +116,41 @@ def test_loading_against_the_wrong_target_is_refused(target, tmp_path):
     other = tiny_qwen3(hidden_size=32)
     with pytest.raises(ValueError, match="hidden"):
         DFlashDrafter.from_pretrained(tmp_path, other)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_ngram_baseline_goes_through_the_same_lossless_verifier(target, prompt):
+    reference = greedy_generate(target, prompt, 24)
+    out = speculative_generate(target, NgramProposer(BS), prompt, 24, BS)
+    assert out.tokens == reference
+    assert len(out.tokens) == 1 + sum(out.accepted)
+
+
+def test_steps_cut_by_the_budget_are_not_full_blocks(target):
+    drafter = new_drafter(target)
+    out = dflash_generate(target, drafter, PROMPTS[2], 3)  # 1 from the prefill, 2 to verify
+    assert out.full == [False] * len(out.accepted)
+    long = dflash_generate(target, drafter, PROMPTS[2], 24)
+    assert long.full[0] is True and len(long.full) == len(long.accepted)
+    assert long.decode_s > 0 and long.prefill_s > 0
+
+
+def test_a_near_tie_is_told_apart_from_a_real_mismatch():
+    """Two vocabulary rows made identical tie at every position: flipping one is rounding."""
+    target = tiny_qwen3(hidden_size=48, intermediate_size=96, seed=3)
+    prompt = PROMPTS[1]
+    reference = greedy_generate(target, prompt, 8)
+    favourite, twin = reference[2], (reference[2] + 1) % 300
+    with torch.no_grad():
+        target.lm_head.weight[twin] = target.lm_head.weight[favourite]
+    reference = greedy_generate(target, prompt, 8)
+    assert reference[2] == favourite  # ties resolve to the lower index; the twin is not it
+    flipped = reference[:2] + [twin] + reference[3:]
+    verdict, margin = classify(target, prompt, reference, flipped, near_tie=1e-4)
+    assert verdict == "near_tie" and margin == pytest.approx(0.0, abs=1e-5)
+    wrong = reference[:2] + [(favourite + 7) % 300] + reference[3:]
+    verdict, margin = classify(target, prompt, reference, wrong, near_tie=1e-4)
+    assert (verdict, classify(target, prompt, reference, reference, 1e-4)[0]) == (
+        "mismatch",
+        "same",
+    )

@@ -63,7 +63,7 @@ def test_evaluate_leaves_no_old_metrics_beside_new_rows(tiny_workspace, monkeypa
     paths.EVAL_METRICS.parent.mkdir(parents=True, exist_ok=True)
     paths.EVAL_METRICS.write_text('{"acceptance_length": 9.9}\n')
     run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
-    kill_on_call(monkeypatch, "dflash.eval.evaluate.write_json_atomic")  # metrics come last
+    kill_on_call(monkeypatch, "dflash.eval.live.write_json_atomic")  # metrics come last
     with pytest.raises(Killed):
         run_stages(tiny_workspace, ["evaluate"])
     assert not paths.EVAL_METRICS.exists()

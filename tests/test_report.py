@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+from dflash.data.conversations import write_conversations
 from dflash.report import render_report
 
 FILES = {
@@ -22,6 +23,8 @@ FILES = {
         "turns_regenerated": 4321,
         "tokens_generated": 98765,
         "tokens_per_s": 1234.5,
+        "unterminated_responses": 1296,
+        "empty_responses": 2,
     },
     "data/tokenized/manifest.json": {
         "n_samples": 1870,
@@ -58,15 +61,28 @@ FILES = {
         "skipped_steps": 0,
         "world_size": 2,
         "train_seconds": 300.0,
+        "loss_spikes": 4,
+        "grad_norm_cv": 0.4321,
     },
     "metrics/eval.json": {
         "acceptance_length": 3.456,
+        "acceptance_length_pooled": 3.012,
+        "acceptance_length_ci95": [3.1, 3.8],
         "per_position_acceptance": [0.9, 0.75, 0.5],
         "lossless_mismatches": 0,
+        "near_tie_divergences": 1,
         "n_prompts": 20,
         "greedy_tokens_per_s": 100.0,
         "dflash_tokens_per_s": 250.0,
         "speedup": 2.5,
+        "speedup_wall": 2.25,
+        "baselines": {
+            "ngram": {"acceptance_length": 1.382, "speedup": 1.2},
+            "untrained": {"acceptance_length": 1.004, "speedup": 0.5},
+        },
+        "heldout_loss_by_length": {"short": 1.111, "medium": 2.222, "long": 3.333},
+        "answer_cap_fraction": 0.25,
+        "answer_loop_fraction": 0.125,
     },
 }
 
@@ -85,8 +101,21 @@ def test_empty_directory_says_what_to_run(tmp_path):
     assert "LOSSLESS" not in text
 
 
+REGENERATED = [
+    {"conversation_id": "a", "messages": [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": "i am fine i am fine i am fine i am fine"},
+        {"role": "user", "content": "and you"},
+        {"role": "assistant", "content": "good to hear from you today"},
+        {"role": "user", "content": "ok"},
+        {"role": "assistant", "content": "\n" * 48},
+    ]},
+]  # fmt: skip
+
+
 def test_full_run_shows_key_figures(tmp_path):
     write(tmp_path, FILES)
+    write_conversations(REGENERATED, tmp_path / "data/regenerated/conversations.parquet")
     text = render_report(tmp_path)
     assert "not run yet" not in text and "n/a" not in text
     for figure in ("2,000", "1,890", "invalid_json 3", "4,321", "1,234", "456,789"):
@@ -94,6 +123,10 @@ def test_full_run_shows_key_figures(tmp_path):
     for figure in ("too_few_loss_tokens 20", "3.210", "24.78", "bucketed", "0.912", "120"):
         assert figure in text
     for figure in ("2.345", "54,321", "2.1%", "720", "3.46", "2.50", "90 75 50"):
+        assert figure in text
+    for figure in ("30.0%", "0.43", "3.10-3.80", "3.01", "1.38", "1.00", "2.50", "2.25"):
+        assert figure in text  # cap and loop shares, stability, τ and both baselines
+    for figure in ("1.111", "3.333", "25.0%", "12.5%"):
         assert figure in text
     assert "empty_content" not in text  # zero counts stay off the screen
     assert "LOSSLESS" not in text
@@ -124,3 +157,10 @@ def test_partial_and_broken_files_do_not_raise(tmp_path):
     assert "unreadable metrics/target.json" in text
     assert "packed" in text and "0.990" in text  # plan falls back to data/plans/summary.json
     assert "skipped" in text and "n/a" in text
+
+
+def test_loop_share_counts_word_and_character_loops_of_regenerated_turns(tmp_path):
+    report = {**FILES["data/regenerated/report.json"], "turns_regenerated": 4}
+    write(tmp_path, {"data/regenerated/report.json": report})
+    write_conversations(REGENERATED, tmp_path / "data/regenerated/conversations.parquet")
+    assert "end in a loop       50.0%" in render_report(tmp_path)

@@ -70,26 +70,43 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START, MASK_TOKEN],
+        mask_token=MASK_TOKEN,
         model_max_length=1 << 30,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def add_mask_token(tokenizer: PreTrainedTokenizerFast) -> bool:
-    """Make ``<|MASK|>`` a special token of ``tokenizer``; True when it had to be added."""
-    if MASK_TOKEN in tokenizer.get_vocab():
+def add_mask_token(tokenizer: PreTrainedTokenizerFast, existing: str | None = None) -> bool:
+    """Set the token the drafter fills blocks with as ``tokenizer.mask_token``.
+
+    ``existing`` names a token already in the vocabulary (a reserved special token of a target
+    with no spare embedding rows, e.g. Llama-3.1's 128,256 tokens for 128,256 rows); otherwise
+    ``<|MASK|>`` is used, appended when missing. True when a token had to be added.
+    """
+    if existing is not None:
+        taken = {tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token, IM_END}
+        if existing not in tokenizer.get_vocab() or existing in taken:
+            raise ValueError(
+                f"drafter.mask_token = {existing!r}: must be a token of the tokenizer that never "
+                "appears in text (a reserved special token), not end-of-turn, padding or bos"
+            )
+        tokenizer.mask_token = existing
         return False
-    tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
-    return True
+    added = MASK_TOKEN not in tokenizer.get_vocab()
+    if added:
+        tokenizer.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]})
+    tokenizer.mask_token = MASK_TOKEN
+    return added
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
-    """Load a fast tokenizer directory; ``<|MASK|>`` is added (and reported) if missing."""
+    """Load a fast tokenizer directory; without a mask token, ``<|MASK|>`` is set (added and
+    reported if missing). The tokenizer stage saves the one it chose as ``mask_token``."""
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     if not tokenizer.is_fast:
         raise ValueError(f"tokenizer at {path} is not a fast tokenizer: offsets are needed")
-    if add_mask_token(tokenizer):
+    if tokenizer.mask_token is None and add_mask_token(tokenizer):
         print(f"tokenizer at {path}: added special token {MASK_TOKEN}", file=sys.stderr)
     return tokenizer
 
@@ -125,18 +142,19 @@ def run(config: Config) -> None:
     """Write ``models/tokenizer``: trained on the training split, or ``tokenizer.path``."""
     if config.tokenizer.path is None:
         tokenizer = train_tokenizer(corpus_texts(paths.CONVERSATIONS), config.tokenizer.vocab_size)
-        source, added = "trained", False
+        source = "trained"
     else:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.path, local_files_only=True)
         if not tokenizer.is_fast:
             raise ValueError(f"tokenizer.path = {config.tokenizer.path}: not a fast tokenizer")
         if not tokenizer.chat_template:
             raise ValueError(f"tokenizer.path = {config.tokenizer.path}: has no chat_template")
-        source, added = str(config.tokenizer.path), add_mask_token(tokenizer)
+        source = str(config.tokenizer.path)
+    added = add_mask_token(tokenizer, config.drafter.mask_token)
     info = {
         "source": source,
-        "mask_token": MASK_TOKEN,
-        "mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+        "mask_token": tokenizer.mask_token,
+        "mask_token_id": tokenizer.mask_token_id,
         "mask_token_added": added,
         "vocab_size": len(tokenizer),
         "hash": tokenizer_hash(tokenizer),
@@ -144,4 +162,5 @@ def run(config: Config) -> None:
     with atomic_dir(paths.TOKENIZER) as out:  # no file of a previous tokenizer stays
         tokenizer.save_pretrained(str(out))
         write_json_atomic(out / INFO_FILE, info)
-    print(f"tokenizer: {source}, {len(tokenizer)} tokens, {MASK_TOKEN} id {info['mask_token_id']}")
+    mask = f"{tokenizer.mask_token} id {tokenizer.mask_token_id}"
+    print(f"tokenizer: {source}, {len(tokenizer)} tokens, mask {mask}")

@@ -1,15 +1,16 @@
-"""Stage ``evaluate``: acceptance length τ of the trained drafter on held-out prompts.
+"""Stage ``evaluate``: τ of the trained drafter on held-out prompts, against two baselines.
 
 Each prompt is a held-out conversation cut before one of its assistant turns (chosen with a
 seeded generator), rendered with the chat template the target serves. Every prompt is decoded
-twice, plainly greedy and speculatively; the two outputs must be identical (DFlash is
-lossless), and any prompt where they differ is counted, never hidden.
+plainly greedy and then, through the same verifier, speculatively with the trained drafter,
+with n-gram prompt lookup and with the drafter at initialisation (same seed as training). The
+speculative outputs must equal greedy (DFlash is lossless); a difference is counted, as a
+near-tie when the target's top two logits at the first divergence are within rounding.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,20 +20,38 @@ from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.regenerate import stop_token_ids
 from dflash.data.tokenizer import load_tokenizer
-from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
+from dflash.eval.length_loss import loss_by_tercile, sample_loss
+from dflash.eval.live import write_eval_outputs
+from dflash.eval.loops import ends_in_loop
+from dflash.eval.lossless import classify
+from dflash.eval.metrics import acceptance_by_position, summarize_method
+from dflash.eval.ngram import NgramProposer
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.generate import dflash_generate, greedy_generate
+from dflash.model.generate import (
+    DrafterProposer,
+    GenerateOutput,
+    greedy_decode,
+    speculative_generate,
+)
 from dflash.model.target import load_target
 from dflash.progress import progress_bar
 
+METHODS = ("dflash", "ngram", "untrained")
+NGRAM_MAX = 4
+"""Longest suffix n-gram prompt lookup matches (vLLM's ``prompt_lookup_max`` default)."""
+
 
 @dataclass
-class PromptResult:
-    accepted: list[int]
-    mismatch: bool
-    n_tokens: int
-    greedy_s: float
-    dflash_s: float
+class Decodes:
+    """Every method's output per prompt, and how each speculative output compares to greedy."""
+
+    greedy: list[GenerateOutput] = field(default_factory=list)
+    methods: dict[str, list[GenerateOutput]] = field(
+        default_factory=lambda: {m: [] for m in METHODS}
+    )
+    verdicts: dict[str, list[str]] = field(default_factory=lambda: {m: [] for m in METHODS})
+    margins: list[float] = field(default_factory=list)
+    """Top-2 logit margins at the first divergence of any method (near-ties and mismatches)."""
 
 
 def select_prompts(conversations: list[dict], tokenizer, config: Config) -> list[list[int]]:
@@ -55,48 +74,72 @@ def select_prompts(conversations: list[dict], tokenizer, config: Config) -> list
     return prompts
 
 
-def acceptance_by_position(accepted: list[int], block_size: int) -> list[float]:
-    """Share of verification steps whose draft slot k (1..bs-1) was accepted."""
-    drafted = np.asarray(accepted) - 1  # the target's bonus token is not a draft
-    return [float((drafted >= k).mean()) if len(drafted) else 0.0 for k in range(1, block_size)]
+def untrained_drafter(drafter: DFlashDrafter, target, seed: int) -> DFlashDrafter:
+    """The same drafter at initialisation: what training added is the difference."""
+    c = drafter.config
+    return DFlashDrafter.from_target(
+        target,
+        block_size=c.block_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_target_features=len(c.target_layer_ids),
+        mask_token_id=c.mask_token_id,
+        seed=seed,
+    ).eval()
 
 
-def evaluate_prompts(target, drafter, prompts, max_new_tokens, stop_ids) -> list[PromptResult]:
-    results = []
+def decode_all(target, proposers: dict, prompts, config: Config, stop_ids, block_size) -> Decodes:
+    new_tokens, near_tie = config.evaluate.max_new_tokens, config.evaluate.near_tie_margin
+    out = Decodes()
     for ids in progress_bar(prompts, desc="evaluate", unit="prompt"):
-        t0 = time.perf_counter()
-        reference = greedy_generate(target, ids, max_new_tokens, stop_ids)
-        t1 = time.perf_counter()
-        spec = dflash_generate(target, drafter, ids, max_new_tokens, stop_ids)
-        t2 = time.perf_counter()
-        results.append(
-            PromptResult(
-                accepted=list(spec.accepted),
-                mismatch=list(spec.tokens) != list(reference),
-                n_tokens=len(spec.tokens),
-                greedy_s=t1 - t0,
-                dflash_s=t2 - t1,
-            )
-        )
-    return results
+        reference = greedy_decode(target, ids, new_tokens, stop_ids)
+        out.greedy.append(reference)
+        for name, proposer in proposers.items():
+            spec = speculative_generate(target, proposer, ids, new_tokens, block_size, stop_ids)
+            verdict, margin = classify(target, ids, reference.tokens, spec.tokens, near_tie)
+            out.methods[name].append(spec)
+            out.verdicts[name].append(verdict)
+            if margin is not None:
+                out.margins.append(margin)
+    return out
 
 
-def summarize(results: list[PromptResult], block_size: int) -> dict:
-    accepted = [a for r in results for a in r.accepted]
-    tokens = sum(r.n_tokens for r in results)
-    greedy_s = sum(r.greedy_s for r in results)
-    dflash_s = sum(r.dflash_s for r in results)
-    return {
-        "acceptance_length": float(np.mean(accepted)) if accepted else 0.0,
-        "per_position_acceptance": acceptance_by_position(accepted, block_size),
-        "lossless_mismatches": sum(r.mismatch for r in results),
-        "n_prompts": len(results),
+def answer_shape(greedy: list[GenerateOutput], max_new_tokens: int, stop_ids) -> dict:
+    """Shares of greedy answers that ran to the cap and that end in a repeating tail."""
+    n = max(len(greedy), 1)
+    capped = sum(len(o.tokens) >= max_new_tokens and o.tokens[-1] not in stop_ids for o in greedy)
+    looping = sum(ends_in_loop(o.tokens) for o in greedy)
+    return {"answer_cap_fraction": capped / n, "answer_loop_fraction": looping / n}
+
+
+def summarize(decodes: Decodes, config: Config, block_size: int, stop_ids) -> dict:
+    seed = config.evaluate.seed
+    runs = {m: summarize_method(decodes.methods[m], decodes.greedy, seed) for m in METHODS}
+    dflash = decodes.methods["dflash"]
+    tokens = sum(len(o.tokens) for o in dflash)
+    greedy_s = sum(o.prefill_s + o.decode_s for o in decodes.greedy)
+    dflash_s = sum(o.prefill_s + o.decode_s for o in dflash)
+    full = sum(f for o in dflash for f in o.full)
+    metrics = {
+        **runs["dflash"],
+        "per_position_acceptance": acceptance_by_position(dflash, block_size),
+        "full_block_steps": full,
+        "lossless_mismatches": decodes.verdicts["dflash"].count("mismatch"),
+        "near_tie_divergences": decodes.verdicts["dflash"].count("near_tie"),
+        "divergence_margins": sorted(decodes.margins),
+        "n_prompts": len(dflash),
         "generated_tokens": tokens,
-        "target_forwards": len(accepted),
         "greedy_tokens_per_s": tokens / max(greedy_s, 1e-9),
         "dflash_tokens_per_s": tokens / max(dflash_s, 1e-9),
-        "speedup": greedy_s / max(dflash_s, 1e-9),
+        "baselines": {
+            m: {
+                **{k: runs[m][k] for k in ("acceptance_length", "acceptance_length_pooled")},
+                "speedup": runs[m]["speedup"],
+                "lossless_mismatches": decodes.verdicts[m].count("mismatch"),
+            }
+            for m in METHODS[1:]
+        },
     }
+    return metrics | answer_shape(decodes.greedy, config.evaluate.max_new_tokens, stop_ids)
 
 
 def run(config: Config) -> None:
@@ -108,20 +151,28 @@ def run(config: Config) -> None:
     prompts = select_prompts(read_conversations(paths.HELDOUT), tokenizer, config)
     if not prompts:
         raise ValueError(f"{paths.HELDOUT} has no conversation with an assistant turn to evaluate")
+    bs, stop_ids = drafter.config.block_size, stop_token_ids(tokenizer)
+    proposers = {
+        "dflash": DrafterProposer(drafter),
+        "ngram": NgramProposer(bs, NGRAM_MAX),
+        "untrained": DrafterProposer(untrained_drafter(drafter, target, config.train.seed)),
+    }
     with torch.no_grad():
-        results = evaluate_prompts(
-            target, drafter, prompts, config.evaluate.max_new_tokens, stop_token_ids(tokenizer)
-        )
-    metrics = summarize(results, drafter.config.block_size)
-    rows = "position,acceptance\n" + "".join(
-        f"{k},{a:.6f}\n" for k, a in enumerate(metrics["per_position_acceptance"], start=1)
-    )
-    # Two files in two directories: the old pair goes first and the metrics come last, so a
-    # run killed in between leaves no old metrics beside new acceptance rows.
-    remove_files(paths.EVAL_METRICS, paths.EVAL_ACCEPTANCE)
-    write_text_atomic(paths.EVAL_ACCEPTANCE, rows)
-    write_json_atomic(paths.EVAL_METRICS, metrics, sort_keys=True)
+        decodes = decode_all(target, proposers, prompts, config, stop_ids, bs)
+        sums = [
+            sample_loss(target, drafter, p, o.tokens, config.drafter.gamma)
+            for p, o in zip(prompts, decodes.greedy, strict=True)
+        ]
+    metrics = summarize(decodes, config, bs, stop_ids)
+    lengths = [len(p) + len(o.tokens) for p, o in zip(prompts, decodes.greedy, strict=True)]
+    metrics |= loss_by_tercile(lengths, sums)
+    write_eval_outputs(metrics, decodes)
+    base = metrics["baselines"]
     print(
-        f"[evaluate] τ = {metrics['acceptance_length']:.3f} over {metrics['n_prompts']} prompts, "
-        f"mismatches {metrics['lossless_mismatches']}, speedup {metrics['speedup']:.2f}x (CPU)"
+        f"[evaluate] τ = {metrics['acceptance_length']:.3f} per response "
+        f"({metrics['acceptance_length_pooled']:.3f} pooled) over {metrics['n_prompts']} prompts; "
+        f"n-gram {base['ngram']['acceptance_length']:.3f}, untrained "
+        f"{base['untrained']['acceptance_length']:.3f}; mismatches "
+        f"{metrics['lossless_mismatches']} (near-ties {metrics['near_tie_divergences']}), "
+        f"decode speedup {metrics['speedup']:.2f}x"
     )

@@ -13,6 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from dflash.model.attention import BlockMask, attend
+from dflash.model.export import serving_keys
 from dflash.model.features import target_layer_ids as spread_layer_ids
 
 INIT_STD = 0.02
@@ -42,11 +44,13 @@ class DFlashConfig:
     rms_norm_eps: float
     rope_theta: float
 
-    def to_dict(self) -> dict:
-        """The Hugging Face style ``config.json`` of DESIGN.md.
+    def to_dict(self, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
+        """The Hugging Face style ``config.json`` of DESIGN.md, plus what serving stacks read.
 
         The constant Qwen3 keys let the public DFlash inference code read it as a Qwen3 config;
-        the parameter names in ``model.safetensors`` follow that code's layout too.
+        the parameter names in ``model.safetensors`` follow that code's layout too. Given the
+        target's config and the weights' dtype it also carries what vLLM and SGLang size the
+        draft by (:func:`dflash.model.export.serving_keys`).
         """
         fields = dataclasses.asdict(self)
         dflash = {k: fields.pop(k) for k in ("mask_token_id", "target_layer_ids")}
@@ -56,14 +60,16 @@ class DFlashConfig:
             "hidden_act": "silu",
             "attention_bias": False,
             **fields,
+            **serving_keys(self, target_config, dtype),
             "dflash_config": dflash,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> DFlashConfig:
+        """Read back our own fields; serving-only keys are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         flat = {k: v for k, v in data.items() if k in names}
-        flat.update(data.get("dflash_config", {}))
+        flat.update({k: v for k, v in data.get("dflash_config", {}).items() if k in names})
         missing = names - flat.keys()
         if missing:
             raise ValueError(f"drafter config.json lacks {sorted(missing)}")
@@ -265,12 +271,18 @@ class DFlashDrafter(nn.Module):
         drafter = cls(config, target.get_input_embeddings(), target.get_output_embeddings())
         return drafter.to(target.get_input_embeddings().weight.device)
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """``config.json`` and ``model.safetensors`` with the drafter's own weights only."""
+    def save_pretrained(self, directory: str | Path, target_config: Any = None) -> None:
+        """``config.json`` and ``model.safetensors`` with the drafter's own weights only.
+
+        Weights are saved in the dtype the target runs in (bf16 on CUDA), which is what serving
+        stacks load the draft in; ``target_config`` adds the keys they size the draft by.
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        dtype = self.borrowed.embed_tokens.weight.dtype
+        config = self.config.to_dict(target_config, dtype)
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
         save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
 
     @classmethod
@@ -278,6 +290,7 @@ class DFlashDrafter(nn.Module):
         directory = Path(directory)
         config = DFlashConfig.from_dict(json.loads((directory / "config.json").read_text()))
         drafter = cls._attach(config, target)
+        # copied into fp32 parameters, as in training, whatever dtype the file holds
         drafter.load_state_dict(load_file(directory / "model.safetensors"), strict=True)
         return drafter
 

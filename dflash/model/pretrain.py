@@ -90,10 +90,34 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+def weighted_next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, end_id: int | None, end_weight: float
+) -> torch.Tensor:
+    """Next-token cross-entropy where labels equal to ``end_id`` weigh ``end_weight``.
+
+    The weighted loss is minimised by ``p(end) ∝ end_weight · p_data(end)``: a weight ``w``
+    adds ``log w`` to the log-odds of ending a turn. A tiny target that is far from the data
+    (perplexity ~90) otherwise rarely ranks the end token first and loops until the cap.
+    """
+    logits, target = logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten()
+    ce = F.cross_entropy(logits, target, ignore_index=IGNORE, reduction="none")
+    weight = (target != IGNORE).float()
+    if end_id is not None and end_weight != 1.0:
+        weight = weight * torch.where(target == end_id, end_weight, 1.0)
+    return (ce * weight).sum() / weight.sum().clamp(min=1.0)
+
+
 def pretrain(
-    model: PreTrainedModel, input_ids: torch.Tensor, labels: torch.Tensor, config: TargetConfig
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    config: TargetConfig,
+    end_id: int | None = None,
 ) -> dict:
-    """Next-token pretraining over packed rows; rows are reshuffled every epoch (seeded)."""
+    """Next-token pretraining over packed rows; rows are reshuffled every epoch (seeded).
+
+    ``end_id`` (the end-of-turn token) weighs ``config.end_token_weight`` in the loss.
+    """
     rows_per_batch = max(1, config.pretrain_batch_tokens // input_ids.shape[1])
     steps_per_epoch = math.ceil(input_ids.shape[0] / rows_per_batch)
     total = steps_per_epoch * config.pretrain_epochs
@@ -109,7 +133,8 @@ def pretrain(
         for batch in order.split(rows_per_batch):
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(len(losses), total, config.pretrain_lr, max(1, total // 20))
-            loss = model(input_ids=input_ids[batch], labels=labels[batch]).loss
+            logits = model(input_ids=input_ids[batch]).logits
+            loss = weighted_next_token_loss(logits, labels[batch], end_id, config.end_token_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
-from dflash.data.tokenizer import load_tokenizer
+from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.fileio import atomic_dir, remove_files, write_json_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.pretrain import (
@@ -135,7 +135,8 @@ def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
     input_ids, labels = pack(documents, max_seq_len, tokenizer.pad_token_id)
     metrics = {"mode": "pretrained", "parameters": model.num_parameters()}
     metrics["tokens_beyond_max_seq_len"] = cut
-    metrics |= pretrain(model, input_ids, labels, config.target)
+    end_id = tokenizer.convert_tokens_to_ids(IM_END) if IM_END in tokenizer.get_vocab() else None
+    metrics |= pretrain(model, input_ids, labels, config.target, end_id)
     metrics |= score_heldout(model, tokenizer, max_seq_len)
     remove_files(paths.TARGET_METRICS)
     with atomic_dir(paths.TARGET) as tmp:

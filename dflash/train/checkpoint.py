@@ -22,13 +22,12 @@ import dflash
 from dflash import paths
 from dflash.cli import STAGES
 from dflash.config import Config, restrict, unwrap
-from dflash.fileio import atomic_dir, atomic_path, remove_files, sha256_file, write_text_atomic
+from dflash.fileio import atomic_path, remove_files, sha256_file, write_text_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.target import target_digest
 from dflash.train.distributed import barrier
 
 if TYPE_CHECKING:
-    from dflash.model.drafter import DFlashDrafter
     from dflash.train.loop import Trainer
 
 PACKAGE = Path(dflash.__file__).parent
@@ -208,9 +207,3 @@ def resume(trainer: Trainer) -> None:
             f"[train] resumed at epoch {s['epoch']} step {s['step_in_epoch']} "
             f"(global step {s['global_step']})"
         )
-
-
-def export_drafter(drafter: DFlashDrafter, out: Path) -> None:
-    """Write the Hugging Face style drafter directory whole or not at all."""
-    with atomic_dir(out) as tmp:
-        drafter.save_pretrained(tmp)

@@ -24,9 +24,10 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
-from dflash.data.tokenizer import MASK_TOKEN, load_tokenizer
+from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import write_json_atomic
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.export import export_drafter
 from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
 from dflash.model.target import load_target
@@ -78,7 +79,7 @@ class Trainer:
 
         self.target = load_target(paths.TARGET, device=ctx.device)
         tokenizer = load_tokenizer(paths.TOKENIZER)
-        mask_token_id = tokenizer.convert_tokens_to_ids(MASK_TOKEN)
+        mask_token_id = tokenizer.mask_token_id
         d = config.drafter
         self.drafter = DFlashDrafter.from_target(
             self.target,
@@ -129,7 +130,12 @@ class Trainer:
     def fit(self) -> None:
         t = self.config.train
         monitor = (
-            Monitor(self.config, paths.TRAIN_PLOTS, self.state["rows"])
+            Monitor(
+                self.config,
+                paths.TRAIN_PLOTS,
+                self.state["rows"],
+                self.state.setdefault("history", {}),
+            )
             if self.ctx.is_main
             else None
         )
@@ -140,7 +146,8 @@ class Trainer:
         checkpoint.save(self)
         summary = self._summary()
         if self.ctx.is_main:
-            checkpoint.export_drafter(self.drafter, paths.DRAFTER)
+            export_drafter(self.drafter, paths.DRAFTER, self.target.config)
+            summary |= monitor.stability()
             write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")
@@ -195,6 +202,8 @@ class Trainer:
             if result["finite"]:
                 self.state["epoch_loss"].append((epoch, result["loss"], result["weight"]))
             window.add(result, t2 - t0, t1 - t0)
+            if monitor is not None:
+                monitor.step(result)
             bar.update(1)
             bar.set_postfix(loss=f"{result['loss']:.3f}", lr=f"{result['lr']:.2e}")
             step = self.state["global_step"]

@@ -1,13 +1,15 @@
-"""What a run shows while it trains: wandb (offline by default) and DVC plot/metric files.
+"""What a run shows while it trains: DVCLive, wandb (offline by default) and DVC plot files.
 
-Only rank 0 owns a monitor. Every row is also kept in the checkpoint, so a resumed run ends
-with the same complete curves as one that was never interrupted.
+Only rank 0 owns a monitor. Every row, and the per-step loss and grad norm the stability
+figures come from, is also kept in the checkpoint, so a resumed run ends with the same
+complete curves and counts as one that was never interrupted.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 from dflash import paths
 from dflash.config import Config
 from dflash.fileio import write_text_atomic
+from dflash.train.stability import is_spike, stability
 
 PLOT_COLUMNS = [
     "step",
@@ -31,10 +34,29 @@ PLOT_COLUMNS = [
 ]
 
 
+def open_live(directory: Path) -> Any:
+    """A DVCLive logger that never edits ``dvc.yaml`` (its outputs are declared there)."""
+    from dvclive import Live  # imports DVC: only when a stage logs
+
+    return Live(str(directory), dvcyaml=None, save_dvc_exp=False, report=None)
+
+
 class Monitor:
-    def __init__(self, config: Config, plots_dir: Path, rows: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        plots_dir: Path,
+        rows: list[dict[str, Any]],
+        history: dict[str, list[float]] | None = None,
+    ) -> None:
         self.plots_dir = plots_dir
         self.rows = rows
+        self.history = {} if history is None else history
+        for key in ("loss", "grad_norm"):
+            self.history.setdefault(key, [])
+        self.live = open_live(paths.TRAIN_LIVE)
+        for row in rows:  # a resumed run: DVCLive starts over, with the curves so far
+            self._log_live(row)
         self.run = None
         if config.logging.wandb != "disabled":
             import wandb  # slow to import: only when it is used
@@ -46,8 +68,29 @@ class Monitor:
                 dir=os.environ.get("WANDB_DIR", "."),
             )
 
+    def step(self, result: dict[str, Any]) -> None:
+        """Record one optimizer step's loss and grad norm (finite steps only)."""
+        if not (result["finite"] and math.isfinite(result["grad_norm"])):
+            return
+        losses = self.history["loss"]
+        losses.append(result["loss"])
+        self.history["grad_norm"].append(result["grad_norm"])
+        if is_spike(losses, len(losses) - 1):
+            print(f"[train] loss spike at step {len(losses)}: {losses[-1]:.3f}", flush=True)
+
+    def stability(self) -> dict:
+        return stability(self.history)
+
+    def _log_live(self, row: dict[str, Any]) -> None:
+        self.live.step = row["step"]
+        for key in PLOT_COLUMNS[2:]:
+            if isinstance(row.get(key), int | float):
+                self.live.log_metric(f"train/{key}", row[key])
+        self.live.next_step()
+
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
+        self._log_live(row)
         if self.run is not None:
             scalars = {f"train/{k}": v for k, v in row.items() if k in PLOT_COLUMNS[1:]}
             for k, acc in enumerate(row.get("per_position_accuracy", []), start=1):
@@ -58,6 +101,9 @@ class Monitor:
     def finish(self, summary: dict[str, Any]) -> None:
         # Also when no step ran (a finished run reused): the plot file is a DVC output.
         write_text_atomic(self.plots_dir / paths.TRAIN_LOG.name, rows_to_csv(self.rows))
+        numbers = {k: v for k, v in summary.items() if isinstance(v, int | float)}
+        self.live.summary.update(numbers)
+        self.live.end()
         if self.run is not None:
             self.run.summary.update(summary)
             self.run.finish()

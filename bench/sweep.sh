@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The seeds' question, per strategy: queue every batching strategy over several seeds as DVC
+# experiments, run the queue, then print mean ± std per strategy.
+#
+#   bench/sweep.sh [SEEDS...]        # default seeds: 0 1 2 (4 strategies x 3 seeds = 12 runs)
+#
+# Each experiment reruns plan -> train -> evaluate only (the target and data are shared).
+# On 2 CPU cores one run takes ~5 minutes; `dvc queue start -j 1` runs them one at a time.
+set -euo pipefail
+seeds=("$@")
+[ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
+for s in sorted shuffle bucketed packed; do
+  for k in "${seeds[@]}"; do
+    dvc exp run --queue -n "sweep-$s-$k" \
+      -S batching.strategy=$s -S batching.seed=$k -S train.seed=$k
+  done
+done
+dvc queue start -j 1
+while dvc queue status | grep -qE 'Queued|Running'; do sleep 30; done
+dvc exp show --json > sweep.json
+python bench/sweep_table.py --json sweep.json

@@ -1,0 +1,93 @@
+"""What serving stacks read from a drafter's ``config.json``, and the atomic export itself.
+
+z-lab's reference ``DFlashDraftModel`` builds a ``Qwen3Config`` from the file and reads
+``dflash_config.{target_layer_ids, mask_token_id}`` and ``block_size``. SGLang
+(``srt/models/dflash.py``) and vLLM (``qwen3_dflash.py``) size the draft's rope cache from
+``max_position_embeddings`` and read the rope parameters (transformers 4 writes ``rope_theta``
+and ``rope_scaling``, transformers 5 ``rope_parameters``) and the dtype (``torch_dtype`` in 4,
+``dtype`` in 5). vLLM takes the target layers to tap from ``eagle_aux_hidden_state_layer_ids``;
+its ids count the embedding as layer 0, so they are DFlash's ``target_layer_ids`` + 1 (newer
+vLLM derives them from ``dflash_config`` the same way; older builds read only this key).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.fileio import atomic_dir
+
+INIT_RANGE = 0.02
+"""Qwen3's ``initializer_range``; the drafter's projections are initialised with it."""
+DEFAULT_MAX_POSITIONS = 32768
+"""Rope cache size SGLang assumes when ``max_position_embeddings`` is missing."""
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype or torch.float32).removeprefix("torch.")
+
+
+def rope_keys(target_config: Any, theta: float) -> dict:
+    """Rope parameters in the transformers 4 and 5 spellings, from the target's config.
+
+    ``rope_scaling`` is null for plain rope, as in the Qwen3 configs the loaders were built on.
+    """
+    params = dict(
+        getattr(target_config, "rope_parameters", None)
+        or getattr(target_config, "rope_scaling", None)
+        or {}
+    )
+    params.setdefault("rope_type", params.pop("type", "default"))  # transformers 4 wrote "type"
+    params["rope_theta"] = theta
+    plain = params["rope_type"] == "default"
+    scaling = None if plain else {k: v for k, v in params.items() if k != "rope_theta"}
+    return {"rope_theta": theta, "rope_scaling": scaling, "rope_parameters": params}
+
+
+def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
+    """The keys of a ``DFlashConfig``'s ``config.json`` beyond DESIGN.md's, for serving."""
+    n = config.num_hidden_layers
+    max_positions = getattr(target_config, "max_position_embeddings", None)
+    return {
+        "max_position_embeddings": max_positions or DEFAULT_MAX_POSITIONS,
+        **rope_keys(target_config, config.rope_theta),
+        "torch_dtype": _dtype_name(dtype),
+        "dtype": _dtype_name(dtype),
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "layer_types": ["full_attention"] * n,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n,
+        "attention_dropout": 0.0,
+        "initializer_range": INIT_RANGE,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        **{
+            key: getattr(target_config, key, None)
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        },
+    }
+
+
+def loader_notes(config: Any) -> list[str]:
+    """Warnings for loaders that would tap the wrong target layers from this config."""
+    n_features, n_layers = len(config.target_layer_ids), config.num_hidden_layers
+    if n_features == n_layers:
+        return []
+    return [
+        f"{n_features} target features but {n_layers} drafter layers: loaders that derive the "
+        "tapped layers from the drafter's depth need target_layer_ids: z-lab DFlashDraftModel "
+        "and SGLang read dflash_config.target_layer_ids (else build_target_layer_ids("
+        "num_target_layers, num_hidden_layers)); vLLM reads eagle_aux_hidden_state_layer_ids "
+        "(older builds otherwise size fc by num_hidden_layers); both are written here"
+    ]
+
+
+def export_drafter(drafter: Any, out: Path, target_config: Any = None) -> None:
+    """Write the Hugging Face style drafter directory whole or not at all, and say what to check."""
+    with atomic_dir(out) as tmp:
+        drafter.save_pretrained(tmp, target_config)
+    for note in loader_notes(drafter.config):
+        print(f"[export] {out}: {note}")
