@@ -140,7 +140,7 @@ def main() -> None:
         stages["regenerate"] = run_stage(workdir, "regenerate", [])
         for workers in args.workers:
             value = "null" if workers == 0 else str(workers)
-            name = "tokenize" if args.workers == [0] else f"tokenize ({value} workers)"
+            name = "tokenize" if args.workers == [0] else f"tokenize, data.num_workers={value}"
             stages[name] = run_stage(workdir, "tokenize", [f"data.num_workers={value}"])
         manifest = json.loads((workdir / "data/tokenized/manifest.json").read_text())
         ingest = json.loads((workdir / "data/ingested/ingest_report.json").read_text())
