@@ -124,11 +124,13 @@ def main() -> None:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        corpus_bytes = make_corpus(workdir / "corpus.jsonl", args.conversations)
+        source = Path("data/raw/corpus.jsonl")  # where ingest takes a dataset from
+        (workdir / source).parent.mkdir(parents=True, exist_ok=True)
+        corpus_bytes = make_corpus(workdir / source, args.conversations)
         generate_s = time.perf_counter() - start
         params = {
             "data": {
-                "source": "corpus.jsonl",
+                "source": str(source),
                 "max_conversations": None,
                 "regenerate": False,
                 "max_seq_len": args.max_seq_len,
