@@ -124,11 +124,13 @@ def main() -> None:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        corpus_bytes = make_corpus(workdir / "corpus.jsonl", args.conversations)
+        source = Path("data/raw/corpus.jsonl")  # where ingest takes a dataset from
+        (workdir / source).parent.mkdir(parents=True, exist_ok=True)
+        corpus_bytes = make_corpus(workdir / source, args.conversations)
         generate_s = time.perf_counter() - start
         params = {
             "data": {
-                "source": "corpus.jsonl",
+                "source": str(source),
                 "max_conversations": None,
                 "regenerate": False,
                 "max_seq_len": args.max_seq_len,
@@ -140,7 +142,7 @@ def main() -> None:
         stages["regenerate"] = run_stage(workdir, "regenerate", [])
         for workers in args.workers:
             value = "null" if workers == 0 else str(workers)
-            name = "tokenize" if args.workers == [0] else f"tokenize ({value} workers)"
+            name = "tokenize" if args.workers == [0] else f"tokenize, data.num_workers={value}"
             stages[name] = run_stage(workdir, "tokenize", [f"data.num_workers={value}"])
         manifest = json.loads((workdir / "data/tokenized/manifest.json").read_text())
         ingest = json.loads((workdir / "data/ingested/ingest_report.json").read_text())
