@@ -28,7 +28,7 @@ from dflash.config import Config
 from dflash.data.chat import encode_conversations
 from dflash.data.conversations import batch_rows, count_conversations, iter_batches
 from dflash.data.store import TokenStore, TokenStoreWriter
-from dflash.data.tokenizer import MASK_TOKEN, load_tokenizer, tokenizer_hash
+from dflash.data.tokenizer import load_tokenizer, tokenizer_hash
 from dflash.fileio import atomic_dir, write_json_atomic
 from dflash.progress import progress_bar
 
@@ -195,7 +195,7 @@ def tokenize_file(
         "source": str(source),
         "tokenizer_hash": tokenizer_hash(tokenizer),
         "vocab_size": len(tokenizer),
-        "mask_token_id": tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+        "mask_token_id": tokenizer.mask_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "max_seq_len": policy.max_seq_len,
