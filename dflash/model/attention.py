@@ -1,32 +1,46 @@
-"""The DFlash training mask and the attention kernel that applies it.
+"""The DFlash training attention rule, and the kernels that apply it.
 
 Queries are the ``A`` blocks of ``block_size`` slots laid end to end (``A*bs`` queries); keys are
-the row's ``T`` context features followed by the same blocks (``T + A*bs`` keys). A block slot may
-see:
+the row's ``T`` context features and the same blocks. A block slot may see:
 
 - context position ``j`` iff ``j < anchor`` — strictly: at inference the target has not yet
   run on the anchor token, and its features there already encode the token after it — and
   ``j`` lies in the anchor's document (packed rows never leak);
 - every slot of its own block (bidirectional), and nothing of any other block.
 
-Padded blocks (anchor -1) see nothing. The rule exists twice with one meaning: a dense boolean
-mask for ``scaled_dot_product_attention`` (CPU, tests) and a block-sparse FlexAttention
-``BlockMask`` on CUDA, where most of the ``A*bs x A*bs`` block-to-block square is skipped.
+Padded blocks (anchor -1) see nothing and output 0. On CUDA the rule is a block-sparse
+FlexAttention ``BlockMask``. Elsewhere it is applied in two parts that are merged exactly by
+their log-sum-exp: each block over its own ``bs`` slots (a tiny ``[A, bs, bs]`` square), and
+chunks of anchors over the context window they can see, recomputed in backward. So neither the
+``(A*bs)^2`` block square nor an ``A*bs x T`` score matrix for all anchors ever exists.
+:func:`build_block_mask`, the same rule as one dense boolean mask, is the reference they are
+tested against.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-except ImportError:  # torch without FlexAttention: the SDPA path still works everywhere
+except ImportError:  # torch without FlexAttention: the other paths still work everywhere
     BlockMask = None
+
+ANCHORS_PER_CHUNK = 16
+"""Anchors whose context attention is computed together: scores are ``[R, H, 16*bs, W]`` per
+chunk, ``W`` the widest context window of the chunk, however many anchors a row has."""
+
+HIDDEN = torch.finfo(torch.float32).min
+"""Score of a key a query may not see: finite, so a query that sees nothing stays finite."""
+
+KV = tuple[Tensor, Tensor]
 
 
 def _check(anchors: Tensor, document_ids: Tensor, context_len: int) -> None:
@@ -44,7 +58,7 @@ def _check(anchors: Tensor, document_ids: Tensor, context_len: int) -> None:
 def build_block_mask(
     anchors: Tensor, document_ids: Tensor, block_size: int, context_len: int
 ) -> Tensor:
-    """Dense boolean mask ``[R, A*bs, T + A*bs]``, True where a query may attend."""
+    """Dense boolean mask ``[R, A*bs, T + A*bs]``, True where a query may attend (reference)."""
     _check(anchors, document_ids, context_len)
     R, A = anchors.shape
     device = anchors.device
@@ -82,6 +96,77 @@ def block_mask_mod(
     return mask_mod
 
 
+@dataclass(frozen=True)
+class ContextChunk:
+    """Anchors ``[start, stop)`` of every row, and the context window they may see.
+
+    ``positions [R, W]`` are the context positions gathered for each row (the span from the
+    first anchor's document start to the last anchor; clamped, past-the-end ones are hidden);
+    ``visible [R, stop - start, W]`` says which of them each anchor sees.
+    """
+
+    start: int
+    stop: int
+    positions: Tensor
+    visible: Tensor
+
+
+@dataclass(frozen=True)
+class AnchorBlocks:
+    """The rule as data for the two-part kernel: which blocks are real, and context chunks.
+
+    Built once per micro-batch and shared by every drafter layer.
+    """
+
+    block_size: int
+    valid: Tensor  # [R, A] bool
+    chunks: tuple[ContextChunk, ...]
+
+
+def document_starts(document_ids: Tensor) -> Tensor:
+    """``[R, T]``: the first position of the run of equal document ids each position is in."""
+    T = document_ids.shape[1]
+    j = torch.arange(T, device=document_ids.device).expand_as(document_ids)
+    new = torch.ones_like(document_ids, dtype=torch.bool)
+    new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return torch.where(new, j, 0).cummax(dim=1).values
+
+
+def anchor_blocks(
+    anchors: Tensor,
+    document_ids: Tensor,
+    block_size: int,
+    context_len: int,
+    chunk: int,
+) -> AnchorBlocks:
+    """Cut the anchors into chunks, each with the narrowest context window per row."""
+    _check(anchors, document_ids, context_len)
+    valid = anchors >= 0
+    safe = anchors.clamp(min=0)
+    anchor_doc = document_ids.gather(1, safe)
+    first = document_starts(document_ids).gather(1, safe)
+    chunks = []
+    for start in range(0, anchors.shape[1], chunk):
+        a, ok = anchors[:, start : start + chunk], valid[:, start : start + chunk]
+        lo = torch.where(ok, first[:, start : start + chunk], context_len).amin(dim=1)
+        hi = torch.where(ok, a, 0).amax(dim=1)
+        width = int((hi - lo).clamp(min=0).max())
+        if width == 0:  # only first-of-document or padded anchors: no context to see
+            continue
+        positions = lo[:, None] + torch.arange(width, device=anchors.device)
+        positions = positions.clamp(max=context_len - 1)
+        doc = document_ids.gather(1, positions)[:, None, :]
+        visible = (
+            (positions[:, None, :] < a[:, :, None])
+            & (doc == anchor_doc[:, start : start + chunk, None])
+            & (doc >= 0)
+            & ok[:, :, None]
+        )
+        if visible.any():
+            chunks.append(ContextChunk(start, start + a.shape[1], positions, visible))
+    return AnchorBlocks(block_size, valid, tuple(chunks))
+
+
 def flex_available(device: torch.device) -> bool:
     return BlockMask is not None and device.type == "cuda"
 
@@ -92,15 +177,13 @@ def build_attention_mask(
     block_size: int,
     context_len: int,
     flex: bool | None = None,
-) -> Tensor | BlockMask:
-    """A FlexAttention ``BlockMask`` on CUDA, the dense boolean mask elsewhere.
-
-    ``flex`` forces one kind (checks compare the two); None chooses by device.
-    """
+) -> AnchorBlocks | BlockMask:
+    """A FlexAttention ``BlockMask`` on CUDA, :class:`AnchorBlocks` for the two-part kernel
+    elsewhere. ``flex`` forces one kind (checks compare the two); None chooses by device."""
     if flex is None:
         flex = flex_available(anchors.device)
     if not flex:
-        return build_block_mask(anchors, document_ids, block_size, context_len)
+        return anchor_blocks(anchors, document_ids, block_size, context_len, ANCHORS_PER_CHUNK)
     R, A = anchors.shape
     mask_mod = block_mask_mod(anchors, document_ids, block_size, context_len)
     return create_block_mask(
@@ -119,20 +202,117 @@ def _compiled_flex_attention() -> Callable[..., Tensor]:
     return torch.compile(flex_attention)
 
 
-def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None, scale: float
-) -> Tensor:
-    """Attention of ``q [B, H, Q, d]`` over ``k, v [B, Hkv, K, d]`` (grouped heads allowed).
+def _softmax_attend(scores: Tensor, v: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
+    """Output and log-sum-exp of fp32 ``scores [..., W]`` over ``v``; outputs in ``v``'s dtype."""
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+    return torch.matmul(probs.view(*v.shape[:2], -1, scores.shape[-1]), v).view(shape), lse
 
-    With a boolean mask, queries that may see nothing would make SDPA return NaN; they attend
-    uniformly instead and their output is zeroed, so values and gradients stay finite.
+
+def _context_chunk(
+    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, visible: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Queries ``[R, Hkv, G, c, bs, d]`` of ``c`` anchors over their context window.
+
+    Returns the output (``q``'s shape) and the log-sum-exp ``[R, Hkv, G, c, bs]``. A query that
+    sees nothing gets a log-sum-exp near the fp32 minimum, i.e. no weight in the merge.
     """
-    k, v = k.to(q.dtype), v.to(q.dtype)  # autocast may leave the normed keys in fp32
+    R, Hkv, G, c, bs, d = q.shape
+    index = positions[:, None, :, None].expand(R, Hkv, positions.shape[1], d)
+    k, v = k.gather(2, index), v.gather(2, index)
+    scores = torch.matmul(q.reshape(R, Hkv, G * c * bs, d), k.transpose(2, 3)).float() * scale
+    scores = scores.view(R, Hkv, G, c, bs, -1)
+    scores = scores.masked_fill(~visible[:, None, None, :, None, :], HIDDEN)
+    return _softmax_attend(scores, v, q.shape)
+
+
+def _own_blocks(q: Tensor, block_kv: KV, scale: float) -> tuple[Tensor, Tensor]:
+    """Every block over its own ``bs`` slots, all anchors at once: ``[R, Hkv, G, A, bs, bs]``."""
+    R, Hkv, G, A, bs, d = q.shape
+    k, v = (t.view(R, Hkv, 1, A, bs, d) for t in block_kv)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    lse = scores.logsumexp(dim=-1)
+    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
+    return torch.matmul(probs, v), lse
+
+
+def _context(
+    q: Tensor, context_kv: KV, blocks: AnchorBlocks, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Context output and log-sum-exp of every anchor, chunk by chunk, recomputed in backward."""
+    k, v = context_kv
+    out = q.new_zeros(q.shape)
+    lse = q.new_full(q.shape[:-1], HIDDEN, dtype=torch.float32)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outs, lses, cuts = [], [], [0]
+    for chunk in blocks.chunks:
+        args = (q[:, :, :, chunk.start : chunk.stop], k, v, chunk.positions, chunk.visible, scale)
+        o, s = (
+            checkpoint(_context_chunk, *args, use_reentrant=False)
+            if grad
+            else _context_chunk(*args)
+        )
+        outs += [out[:, :, :, cuts[-1] : chunk.start], o]
+        lses += [lse[:, :, :, cuts[-1] : chunk.start], s]
+        cuts.append(chunk.stop)
+    if not blocks.chunks:  # keep k, v in the graph (zero gradient): DDP expects every weight's
+        out = out + k[:, :, :0].sum() + v[:, :, :0].sum()
+    outs.append(out[:, :, :, cuts[-1] :])
+    lses.append(lse[:, :, :, cuts[-1] :])
+    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
+
+
+def two_part_attention(
+    q: Tensor, context_kv: KV, block_kv: KV, blocks: AnchorBlocks, scale: float
+) -> Tensor:
+    """The training rule without a dense mask: context and own-block parts merged by their
+    log-sum-exp, ``out = Σ exp(lse_i - lse) * out_i``; padded blocks output 0."""
+    R, H, Q, d = q.shape
+    Hkv, bs = context_kv[0].shape[1], blocks.block_size
+    q = q.view(R, Hkv, H // Hkv, Q // bs, bs, d)
+    out_blocks, lse_blocks = _own_blocks(q, block_kv, scale)
+    out_context, lse_context = _context(q, context_kv, blocks, scale)
+    lse = torch.logaddexp(lse_blocks, lse_context)
+    out = (
+        torch.exp(lse_blocks - lse)[..., None] * out_blocks
+        + torch.exp(lse_context - lse)[..., None] * out_context
+    )
+    out = out * blocks.valid[:, None, None, :, None, None]
+    return out.to(q.dtype).view(R, H, Q, d)
+
+
+def attend(
+    q: Tensor,
+    context_kv: KV,
+    block_kv: KV,
+    mask: AnchorBlocks | BlockMask | Tensor | None,
+    scale: float,
+) -> Tensor:
+    """Attention of the block queries ``q [B, H, Q, d]`` over the context and block keys and
+    values (each ``[B, Hkv, ., d]``; grouped heads allowed).
+
+    ``mask`` is the training rule (:class:`AnchorBlocks` or a FlexAttention ``BlockMask``), a
+    dense boolean ``[B, Q, C + Q]`` mask (the reference), or None: every query sees every key.
+    """
+    if isinstance(mask, AnchorBlocks):
+        return two_part_attention(q, context_kv, block_kv, mask, scale)
+    k = torch.cat([context_kv[0], block_kv[0]], dim=2)
+    v = torch.cat([context_kv[1], block_kv[1]], dim=2)
     gqa = q.shape[1] != k.shape[1]
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    return dense_attention(q, k, v, mask, scale)
+
+
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """SDPA with a dense boolean mask ``[B, Q, K]``: the reference of the two-part kernel.
+
+    Queries that may see nothing would make SDPA return NaN; they attend uniformly instead and
+    their output is zeroed, so values and gradients stay finite.
+    """
+    gqa = q.shape[1] != k.shape[1]
     blind = ~mask.any(dim=-1, keepdim=True)  # [B, Q, 1]
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=(mask | blind)[:, None], scale=scale, enable_gqa=gqa
