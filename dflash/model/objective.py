@@ -86,6 +86,46 @@ def _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, fea
         raise ValueError("an anchor points at padding (document id -1)")
 
 
+LABELS_PER_CHUNK = 1 << 24
+"""Logit elements (labels x vocab) held at once by the loss: 64 MiB of fp32 per buffer."""
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """``Σ w * CE(lm_head(hidden), target)`` and top-1 hits without the full logits.
+
+    The LM head is frozen, so the only gradient is the one w.r.t. ``hidden``; it is computed
+    chunk by chunk in the forward, while each chunk's fp32 logits exist, and kept as one
+    ``[N, H]`` tensor. Logits never exist for more than one chunk of labels.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, weights):
+        rows = max(1, LABELS_PER_CHUNK // weight.shape[0])
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        hits = torch.empty_like(target, dtype=torch.bool)
+        grad = torch.empty_like(hidden, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        for i in range(0, hidden.shape[0], rows):
+            part = slice(i, i + rows)
+            logits = F.linear(hidden[part].to(weight.dtype), weight, bias).float()
+            lse = logits.logsumexp(dim=-1)
+            picked = logits.gather(1, target[part, None])[:, 0]
+            loss += (weights[part] * (lse - picked)).sum()
+            hits[part] = logits.argmax(dim=-1) == target[part]
+            if grad is not None:  # d CE / d logits = softmax - one_hot, then through the head
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(len(picked), device=probs.device), target[part]] -= 1.0
+                grad[part] = probs.mul_(weights[part, None]).to(weight.dtype) @ weight
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hits):
+        (grad,) = ctx.saved_tensors
+        return (grad_loss * grad).to(ctx.hidden_dtype), None, None, None, None
+
+
 def dflash_objective(
     drafter: DFlashDrafter,
     features: Tensor,
@@ -117,12 +157,9 @@ def dflash_objective(
     ).view(R, A, bs, -1)
 
     labels, counts = block_labels(input_ids, loss_mask, document_ids, anchors, bs)
-    logits = drafter.logits(hidden[counts]).float()
-    target = labels[counts]
     slots = slot.expand_as(labels)[counts]
-    weights = decay_weights(bs, gamma).to(logits.device)[slots]
-    loss_sum = (weights * F.cross_entropy(logits, target, reduction="none")).sum()
-    hits = logits.argmax(dim=-1) == target
+    weights = decay_weights(bs, gamma).to(hidden.device)[slots]
+    loss_sum, hits = ChunkedHeadLoss.apply(hidden[counts], *drafter.head(), labels[counts], weights)
     return ObjectiveOutput(
         loss_sum=loss_sum,
         weight_sum=weights.sum(),

@@ -48,16 +48,16 @@ MODEL_CODE = Path(dflash.model.__file__).parent
 class DrafterDDP(DistributedDataParallel):
     """DDP that also exposes what the objective reads from the drafter besides its forward.
 
-    ``logits`` uses only the frozen, borrowed LM head, so calling it outside DDP's forward
-    leaves gradient synchronisation untouched.
+    ``head`` is the frozen, borrowed LM head, so using it outside DDP's forward leaves
+    gradient synchronisation untouched.
     """
 
     @property
     def config(self):
         return self.module.config
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.module.logits(hidden)
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.module.head()
 
 
 class TrainingError(RuntimeError):
