@@ -26,16 +26,16 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:  # torch without FlexAttention: the other paths still work everywhere
     BlockMask = None
 
-ANCHORS_PER_CHUNK = 16
-"""Anchors whose context attention is computed together: scores are ``[R, H, 16*bs, W]`` per
-chunk, ``W`` the widest context window of the chunk, however many anchors a row has."""
+CONTEXT_SCORES_PER_CHUNK = 1 << 20
+"""Context scores per head (rows x anchors x bs x row length) computed together: it sets how
+many anchors share a chunk, so a chunk's scores stay near 4 MiB of fp32 per head whatever the
+number of anchors."""
 
 HIDDEN = torch.finfo(torch.float32).min
 """Score of a key a query may not see: finite, so a query that sees nothing stays finite."""
@@ -102,13 +102,13 @@ class ContextChunk:
 
     ``positions [R, W]`` are the context positions gathered for each row (the span from the
     first anchor's document start to the last anchor; clamped, past-the-end ones are hidden);
-    ``visible [R, stop - start, W]`` says which of them each anchor sees.
+    ``hidden [R, stop - start, W]`` says which of them each anchor may not see.
     """
 
     start: int
     stop: int
     positions: Tensor
-    visible: Tensor
+    hidden: Tensor
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ def anchor_blocks(
             & ok[:, :, None]
         )
         if visible.any():
-            chunks.append(ContextChunk(start, start + a.shape[1], positions, visible))
+            chunks.append(ContextChunk(start, start + a.shape[1], positions, ~visible))
     return AnchorBlocks(block_size, valid, tuple(chunks))
 
 
@@ -183,7 +183,9 @@ def build_attention_mask(
     if flex is None:
         flex = flex_available(anchors.device)
     if not flex:
-        return anchor_blocks(anchors, document_ids, block_size, context_len, ANCHORS_PER_CHUNK)
+        R = anchors.shape[0]
+        chunk = max(1, CONTEXT_SCORES_PER_CHUNK // (R * block_size * context_len))
+        return anchor_blocks(anchors, document_ids, block_size, context_len, chunk)
     R, A = anchors.shape
     mask_mod = block_mask_mod(anchors, document_ids, block_size, context_len)
     return create_block_mask(
@@ -202,28 +204,61 @@ def _compiled_flex_attention() -> Callable[..., Tensor]:
     return torch.compile(flex_attention)
 
 
-def _softmax_attend(scores: Tensor, v: Tensor, shape: torch.Size) -> tuple[Tensor, Tensor]:
-    """Output and log-sum-exp of fp32 ``scores [..., W]`` over ``v``; outputs in ``v``'s dtype."""
-    lse = scores.logsumexp(dim=-1)
-    probs = torch.exp(scores - lse[..., None]).to(v.dtype)
-    return torch.matmul(probs.view(*v.shape[:2], -1, scores.shape[-1]), v).view(shape), lse
+def _window(x: Tensor, positions: Tensor) -> Tensor:
+    """Rows' context windows ``[R, Hkv, W, d]`` of keys or values ``x [R, Hkv, T, d]``."""
+    R, Hkv, _, d = x.shape
+    return x.gather(2, positions[:, None, :, None].expand(R, Hkv, positions.shape[1], d))
 
 
-def _context_chunk(
-    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, visible: Tensor, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Queries ``[R, Hkv, G, c, bs, d]`` of ``c`` anchors over their context window.
-
-    Returns the output (``q``'s shape) and the log-sum-exp ``[R, Hkv, G, c, bs]``. A query that
-    sees nothing gets a log-sum-exp near the fp32 minimum, i.e. no weight in the merge.
-    """
+def _scores(q: Tensor, k: Tensor, hidden: Tensor, scale: float) -> Tensor:
+    """fp32 scores ``[R, Hkv, G, c, bs, W]`` of queries ``q [R, Hkv, G, c, bs, d]``."""
     R, Hkv, G, c, bs, d = q.shape
-    index = positions[:, None, :, None].expand(R, Hkv, positions.shape[1], d)
-    k, v = k.gather(2, index), v.gather(2, index)
-    scores = torch.matmul(q.reshape(R, Hkv, G * c * bs, d), k.transpose(2, 3)).float() * scale
+    scores = torch.matmul((q * scale).reshape(R, Hkv, -1, d), k.transpose(2, 3)).float()
     scores = scores.view(R, Hkv, G, c, bs, -1)
-    scores = scores.masked_fill(~visible[:, None, None, :, None, :], HIDDEN)
-    return _softmax_attend(scores, v, q.shape)
+    return scores.masked_fill_(hidden[:, None, None, :, None, :], HIDDEN)
+
+
+class ContextAttention(torch.autograd.Function):
+    """One chunk of anchors over its context window: the output and the log-sum-exp.
+
+    Flash-attention style: only the inputs, output and log-sum-exp are kept; the backward
+    recomputes the probabilities ``p``. The merge differentiates the log-sum-exp too, whose
+    gradient enters as ``ds = p * (dO.v - rowsum(dO * out) + dlse)``.
+    A query that sees nothing gets a log-sum-exp near the fp32 minimum: no weight in the merge.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, hidden, scale):
+        v_window = _window(v, positions)
+        scores = _scores(q, _window(k, positions), hidden, scale)
+        top = scores.amax(dim=-1, keepdim=True)
+        probs = scores.sub_(top).exp_()  # unnormalised, in place: one buffer per chunk
+        total = probs.sum(dim=-1, keepdim=True)
+        flat = probs.view(*v.shape[:2], -1, probs.shape[-1]).to(v.dtype)
+        out = (torch.matmul(flat, v_window).view(q.shape) / total).to(v.dtype)
+        lse = (top + total.log()).squeeze(-1)
+        ctx.save_for_backward(q, k, v, positions, hidden, out, lse)
+        ctx.scale = scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, positions, hidden, out, lse = ctx.saved_tensors
+        R, Hkv, G, c, bs, d = q.shape
+        k_window, v_window = _window(k, positions), _window(v, positions)
+        probs = _scores(q, k_window, hidden, ctx.scale).sub_(lse[..., None]).exp_()
+        flat = probs.view(R, Hkv, -1, probs.shape[-1])
+        d_flat = d_out.reshape(R, Hkv, -1, d)
+        d_v = torch.matmul(flat.transpose(2, 3).to(v.dtype), d_flat)
+        d_probs = torch.matmul(d_flat, v_window.transpose(2, 3)).float().view(probs.shape)
+        row = (d_out.float() * out.float()).sum(dim=-1) - d_lse
+        d_scores = d_probs.sub_(row[..., None]).mul_(probs).view(flat.shape).to(q.dtype)
+        d_q = torch.matmul(d_scores, k_window).view(q.shape) * ctx.scale
+        d_k = torch.matmul(d_scores.transpose(2, 3), (q * ctx.scale).reshape(R, Hkv, -1, d))
+        index = positions[:, None, :, None].expand(R, Hkv, positions.shape[1], d)
+        d_k = torch.zeros_like(k).scatter_add_(2, index, d_k)
+        d_v = torch.zeros_like(v).scatter_add_(2, index, d_v)
+        return d_q, d_k, d_v, None, None, None
 
 
 def _own_blocks(q: Tensor, block_kv: KV, scale: float) -> tuple[Tensor, Tensor]:
@@ -239,18 +274,14 @@ def _own_blocks(q: Tensor, block_kv: KV, scale: float) -> tuple[Tensor, Tensor]:
 def _context(
     q: Tensor, context_kv: KV, blocks: AnchorBlocks, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """Context output and log-sum-exp of every anchor, chunk by chunk, recomputed in backward."""
+    """Context output and log-sum-exp of every anchor, chunk by chunk."""
     k, v = context_kv
     out = q.new_zeros(q.shape)
     lse = q.new_full(q.shape[:-1], HIDDEN, dtype=torch.float32)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     outs, lses, cuts = [], [], [0]
     for chunk in blocks.chunks:
-        args = (q[:, :, :, chunk.start : chunk.stop], k, v, chunk.positions, chunk.visible, scale)
-        o, s = (
-            checkpoint(_context_chunk, *args, use_reentrant=False)
-            if grad
-            else _context_chunk(*args)
+        o, s = ContextAttention.apply(
+            q[:, :, :, chunk.start : chunk.stop], k, v, chunk.positions, chunk.hidden, scale
         )
         outs += [out[:, :, :, cuts[-1] : chunk.start], o]
         lses += [lse[:, :, :, cuts[-1] : chunk.start], s]

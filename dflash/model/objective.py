@@ -107,14 +107,16 @@ class ChunkedHeadLoss(torch.autograd.Function):
         for i in range(0, hidden.shape[0], rows):
             part = slice(i, i + rows)
             logits = F.linear(hidden[part].to(weight.dtype), weight, bias).float()
-            lse = logits.logsumexp(dim=-1)
+            top, best = logits.max(dim=-1)
+            hits[part] = best == target[part]
             picked = logits.gather(1, target[part, None])[:, 0]
-            loss += (weights[part] * (lse - picked)).sum()
-            hits[part] = logits.argmax(dim=-1) == target[part]
+            probs = logits.sub_(top[:, None]).exp_()  # in place: one [rows, V] buffer
+            total = probs.sum(dim=-1)
+            loss += (weights[part] * (top + total.log() - picked)).sum()
             if grad is not None:  # d CE / d logits = softmax - one_hot, then through the head
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs[torch.arange(len(picked), device=probs.device), target[part]] -= 1.0
-                grad[part] = probs.mul_(weights[part, None]).to(weight.dtype) @ weight
+                probs.mul_((weights[part] / total)[:, None])
+                probs[torch.arange(len(top), device=probs.device), target[part]] -= weights[part]
+                grad[part] = probs.to(weight.dtype) @ weight
         ctx.save_for_backward(grad)
         ctx.hidden_dtype = hidden.dtype
         ctx.mark_non_differentiable(hits)
