@@ -86,7 +86,7 @@ def _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, fea
         raise ValueError("an anchor points at padding (document id -1)")
 
 
-LABELS_PER_CHUNK = 1 << 24
+LOGITS_PER_CHUNK = 1 << 24
 """Logit elements (labels x vocab) held at once by the loss: 64 MiB of fp32 per buffer."""
 
 
@@ -100,7 +100,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, weights):
-        rows = max(1, LABELS_PER_CHUNK // weight.shape[0])
+        rows = max(1, LOGITS_PER_CHUNK // weight.shape[0])
         loss = hidden.new_zeros((), dtype=torch.float32)
         hits = torch.empty_like(target, dtype=torch.bool)
         grad = torch.empty_like(hidden, dtype=torch.float32) if ctx.needs_input_grad[0] else None
