@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dflash.model import attention
 from dflash.model.attention import (
     anchor_blocks,
     attend,
@@ -13,6 +14,12 @@ from dflash.model.attention import (
 
 BS = 4
 T = 40
+
+
+@pytest.fixture(params=[True, False], ids=["fused", "math"])
+def kernel(request, monkeypatch):
+    """Both context kernels: torch's fused CPU flash attention and the plain-torch math."""
+    monkeypatch.setattr(attention, "FUSED_ON_CPU", request.param)
 
 
 def _rows(cuts: list[int], anchors: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +50,7 @@ def _compare(anchors: torch.Tensor, docs: torch.Tensor, heads: int = 4, kv_heads
     ref = attend(q, context, block, dense, scale=0.35)
     grad_out = torch.randn_like(ref)
     ref_grads = torch.autograd.grad(ref, inputs, grad_out)
-    blocks = anchor_blocks(anchors, docs, BS, T, chunk=3)  # several chunks, one partial
+    blocks = anchor_blocks(anchors, docs, BS, T, budget=200)  # several chunks
     out = attend(q, context, block, blocks, scale=0.35)
     grads = torch.autograd.grad(out, inputs, grad_out)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -52,40 +59,40 @@ def _compare(anchors: torch.Tensor, docs: torch.Tensor, heads: int = 4, kv_heads
     return out
 
 
-def test_padded_rows_match_the_dense_mask():
+def test_padded_rows_match_the_dense_mask(kernel):
     anchors, docs = _rows([], [[0, 3, 9, 15, 22, 30, 36], [2, 5, 6, 20, 21, 33, -1]])
     _compare(anchors, docs)
 
 
-def test_packed_rows_with_several_documents_match_the_dense_mask():
+def test_packed_rows_with_several_documents_match_the_dense_mask(kernel):
     anchors, docs = _rows(
         [11, 12, 25], [[1, 4, 11, 12, 14, 20, 26, 35], [0, 11, 13, 24, 25, 30, 31, 36]]
     )
     _compare(anchors, docs)
 
 
-def test_blind_padded_blocks_give_zeros_and_finite_gradients():
+def test_blind_padded_blocks_give_zeros_and_finite_gradients(kernel):
     anchors, docs = _rows([20], [[5, 20, 27, -1, -1], [-1, -1, -1, -1, -1]])
     out = _compare(anchors, docs, heads=2, kv_heads=2)
     assert torch.equal(out[0, :, 3 * BS :], torch.zeros_like(out[0, :, 3 * BS :]))
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
-def test_unsorted_anchors_and_grouped_heads():
+def test_unsorted_anchors_and_grouped_heads(kernel):
     anchors, docs = _rows([18], [[30, 2, 19, 7, 25, 0]])
     _compare(anchors, docs, heads=6, kv_heads=1)
 
 
 def test_chunks_cut_the_context_window():
     anchors, docs = _rows([11, 25], [[1, 4, 8, 26, 30, 33]])
-    chunks = anchor_blocks(anchors, docs, BS, T, chunk=3).chunks
+    chunks = anchor_blocks(anchors, docs, BS, T, budget=100).chunks
     assert [c.positions[0].tolist() for c in chunks] == [list(range(8)), list(range(25, 33))]
     assert document_starts(docs)[0, [0, 10, 11, 24, 25, 39]].tolist() == [0, 0, 11, 11, 25, 37]
 
 
-def test_no_chunk_when_no_anchor_has_context():
+def test_no_chunk_when_no_anchor_has_context(kernel):
     anchors, docs = _rows([11], [[0, 11, -1]])
-    assert anchor_blocks(anchors, docs, BS, T, chunk=16).chunks == ()
+    assert anchor_blocks(anchors, docs, BS, T, budget=1 << 20).chunks == ()
     _compare(anchors, docs)
 
 

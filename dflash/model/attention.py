@@ -33,9 +33,8 @@ except ImportError:  # torch without FlexAttention: the other paths still work e
     BlockMask = None
 
 CONTEXT_SCORES_PER_CHUNK = 1 << 20
-"""Context scores per head (rows x anchors x bs x row length) computed together: it sets how
-many anchors share a chunk, so a chunk's scores stay near 4 MiB of fp32 per head whatever the
-number of anchors."""
+"""Context scores per head (rows x anchors x bs x window) computed together: a chunk's scores
+stay within 4 MiB of fp32 per head whatever the number of anchors."""
 
 HIDDEN = torch.finfo(torch.float32).min
 """Score of a key a query may not see: finite, so a query that sees nothing stays finite."""
@@ -132,25 +131,47 @@ def document_starts(document_ids: Tensor) -> Tensor:
     return torch.where(new, j, 0).cummax(dim=1).values
 
 
+def _chunk_bounds(lo: list[int], hi: list[int], scores_per_position: int, budget: int):
+    """Greedy runs ``[start, stop)`` of anchor columns whose context scores, ``anchors x
+    scores_per_position x (max hi - min lo)``, fit the budget; at least one anchor each."""
+    bounds, start = [], 0
+    while start < len(lo):
+        stop, low, high = start + 1, lo[start], hi[start]
+        while stop < len(lo):
+            wider_low, wider_high = min(low, lo[stop]), max(high, hi[stop])
+            size = (stop + 1 - start) * scores_per_position * max(wider_high - wider_low, 0)
+            if size > budget:
+                break
+            low, high, stop = wider_low, wider_high, stop + 1
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 def anchor_blocks(
     anchors: Tensor,
     document_ids: Tensor,
     block_size: int,
     context_len: int,
-    chunk: int,
+    budget: int,
 ) -> AnchorBlocks:
-    """Cut the anchors into chunks, each with the narrowest context window per row."""
+    """Cut the anchors into chunks of at most ``budget`` context scores per head, each chunk
+    with the narrowest context window per row (from its first document start to its last
+    anchor)."""
     _check(anchors, document_ids, context_len)
+    R = anchors.shape[0]
     valid = anchors >= 0
     safe = anchors.clamp(min=0)
     anchor_doc = document_ids.gather(1, safe)
     first = document_starts(document_ids).gather(1, safe)
+    low = torch.where(valid, first, context_len)
+    high = torch.where(valid, anchors, 0)
+    column_bounds = (low.amin(dim=0).tolist(), high.amax(dim=0).tolist())
     chunks = []
-    for start in range(0, anchors.shape[1], chunk):
-        a, ok = anchors[:, start : start + chunk], valid[:, start : start + chunk]
-        lo = torch.where(ok, first[:, start : start + chunk], context_len).amin(dim=1)
-        hi = torch.where(ok, a, 0).amax(dim=1)
-        width = int((hi - lo).clamp(min=0).max())
+    for start, stop in _chunk_bounds(*column_bounds, R * block_size, budget):
+        a, ok = anchors[:, start:stop], valid[:, start:stop]
+        lo = low[:, start:stop].amin(dim=1)
+        width = int((high[:, start:stop].amax(dim=1) - lo).clamp(min=0).max())
         if width == 0:  # only first-of-document or padded anchors: no context to see
             continue
         positions = lo[:, None] + torch.arange(width, device=anchors.device)
@@ -158,12 +179,12 @@ def anchor_blocks(
         doc = document_ids.gather(1, positions)[:, None, :]
         visible = (
             (positions[:, None, :] < a[:, :, None])
-            & (doc == anchor_doc[:, start : start + chunk, None])
+            & (doc == anchor_doc[:, start:stop, None])
             & (doc >= 0)
             & ok[:, :, None]
         )
         if visible.any():
-            chunks.append(ContextChunk(start, start + a.shape[1], positions, ~visible))
+            chunks.append(ContextChunk(start, stop, positions, ~visible))
     return AnchorBlocks(block_size, valid, tuple(chunks))
 
 
@@ -183,9 +204,9 @@ def build_attention_mask(
     if flex is None:
         flex = flex_available(anchors.device)
     if not flex:
-        R = anchors.shape[0]
-        chunk = max(1, CONTEXT_SCORES_PER_CHUNK // (R * block_size * context_len))
-        return anchor_blocks(anchors, document_ids, block_size, context_len, chunk)
+        return anchor_blocks(
+            anchors, document_ids, block_size, context_len, CONTEXT_SCORES_PER_CHUNK
+        )
     R, A = anchors.shape
     mask_mod = block_mask_mod(anchors, document_ids, block_size, context_len)
     return create_block_mask(
@@ -211,54 +232,122 @@ def _window(x: Tensor, positions: Tensor) -> Tensor:
 
 
 def _scores(q: Tensor, k: Tensor, hidden: Tensor, scale: float) -> Tensor:
-    """fp32 scores ``[R, Hkv, G, c, bs, W]`` of queries ``q [R, Hkv, G, c, bs, d]``."""
-    R, Hkv, G, c, bs, d = q.shape
-    scores = torch.matmul((q * scale).reshape(R, Hkv, -1, d), k.transpose(2, 3)).float()
-    scores = scores.view(R, Hkv, G, c, bs, -1)
-    return scores.masked_fill_(hidden[:, None, None, :, None, :], HIDDEN)
+    """fp32 scores ``[R, Hkv, M, W]`` of queries ``q [R, Hkv, M, d]``; ``hidden [R, 1, M, W]``."""
+    scores = torch.matmul(q * scale, k.transpose(2, 3)).float()
+    return scores.masked_fill_(hidden, HIDDEN)
+
+
+def _forward_math(q, k, v, hidden, scale):
+    """Output ``[R, Hkv, M, d]`` and log-sum-exp ``[R, Hkv, M]`` of queries ``[R, Hkv, M, d]``."""
+    scores = _scores(q, k, hidden, scale)
+    top = scores.amax(dim=-1, keepdim=True)
+    probs = scores.sub_(top).exp_()  # unnormalised, in place: one buffer per chunk
+    total = probs.sum(dim=-1, keepdim=True)
+    out = torch.matmul(probs.to(v.dtype), v) / total
+    return out.to(v.dtype), (top + total.log()).squeeze(-1)
+
+
+def _backward_math(q, k, v, hidden, scale, out, lse, d_out, d_lse):
+    """Gradients of ``q, k, v``; the log-sum-exp's enters as ``ds = p (dO.v - rowsum(dO out)
+    + dlse)``."""
+    probs = _scores(q, k, hidden, scale).sub_(lse[..., None]).exp_()
+    d_v = torch.matmul(probs.transpose(2, 3).to(v.dtype), d_out)
+    d_probs = torch.matmul(d_out, v.transpose(2, 3)).float()
+    row = (d_out.float() * out.float()).sum(dim=-1) - d_lse
+    d_scores = d_probs.sub_(row[..., None]).mul_(probs).to(q.dtype)
+    return torch.matmul(d_scores, k) * scale, torch.matmul(d_scores.transpose(2, 3), q * scale), d_v
+
+
+def _fused_bias(q: Tensor, hidden: Tensor) -> Tensor:
+    """The additive ``[R, 1, M, W]`` mask the fused kernel takes."""
+    bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
+    return bias.masked_fill_(hidden, torch.finfo(q.dtype).min)
+
+
+def _query_rows(hidden: Tensor, shape: torch.Size) -> Tensor:
+    """``hidden [R, c, W]`` per query row ``[R, 1, M, W]``, the rows being ``(G, c, bs)``."""
+    R, _, G, c, bs, _ = shape
+    W = hidden.shape[-1]
+    return hidden[:, None, None, :, None, :].expand(R, 1, G, c, bs, W).reshape(R, 1, -1, W)
+
+
+def _forward_fused(q, k, v, hidden, scale):
+    """:func:`_forward_math` by torch's fused CPU flash-attention kernel."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=_fused_bias(q, hidden), scale=scale
+    )
+    return out, lse
+
+
+def _backward_fused(q, k, v, hidden, scale, out, lse, d_out, d_lse):
+    """:func:`_backward_math` by the fused CPU kernel. The kernel knows no log-sum-exp gradient;
+    one extra head-dim column carries it: with ``out`` extended by ``-dlse``, ``dO`` by 1 and
+    ``q, k, v`` by 0, its ``rowsum(dO * out)`` becomes ``rowsum(dO * out) - dlse`` and nothing
+    else changes."""
+
+    def extend(x: Tensor, value: Tensor | float) -> Tensor:
+        column = x.new_zeros(x.shape[:-1] + (1,)).add_(value)
+        return torch.cat([x, column], dim=-1)
+
+    d_q, d_k, d_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        extend(d_out, 1.0),
+        extend(q, 0.0),
+        extend(k, 0.0),
+        extend(v, 0.0),
+        extend(out, -d_lse[..., None].to(out.dtype)),
+        lse,
+        0.0,
+        False,
+        attn_mask=_fused_bias(q, hidden),
+        scale=scale,
+    )
+    return d_q[..., :-1], d_k[..., :-1], d_v[..., :-1]
+
+
+FUSED_ON_CPU = True
+"""Use torch's fused flash-attention CPU kernel for the context chunks (several times faster
+than the same math in plain torch ops, which runs elsewhere and is its tested reference)."""
 
 
 class ContextAttention(torch.autograd.Function):
     """One chunk of anchors over its context window: the output and the log-sum-exp.
 
     Flash-attention style: only the inputs, output and log-sum-exp are kept; the backward
-    recomputes the probabilities ``p``. The merge differentiates the log-sum-exp too, whose
-    gradient enters as ``ds = p * (dO.v - rowsum(dO * out) + dlse)``.
-    A query that sees nothing gets a log-sum-exp near the fp32 minimum: no weight in the merge.
+    recomputes the probabilities. The merge differentiates the log-sum-exp too.
+    A query that sees nothing gets a log-sum-exp near the dtype's minimum: no weight in the
+    merge, and zero gradients from it.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, positions, hidden, scale):
-        v_window = _window(v, positions)
-        scores = _scores(q, _window(k, positions), hidden, scale)
-        top = scores.amax(dim=-1, keepdim=True)
-        probs = scores.sub_(top).exp_()  # unnormalised, in place: one buffer per chunk
-        total = probs.sum(dim=-1, keepdim=True)
-        flat = probs.view(*v.shape[:2], -1, probs.shape[-1]).to(v.dtype)
-        out = (torch.matmul(flat, v_window).view(q.shape) / total).to(v.dtype)
-        lse = (top + total.log()).squeeze(-1)
-        ctx.save_for_backward(q, k, v, positions, hidden, out, lse)
-        ctx.scale = scale
-        return out, lse
+        fused = FUSED_ON_CPU and q.device.type == "cpu"
+        flat = q.reshape(*k.shape[:2], -1, q.shape[-1])
+        kernel = _forward_fused if fused else _forward_math
+        rows = _query_rows(hidden, q.shape)
+        out, lse = kernel(flat, _window(k, positions), _window(v, positions), rows, scale)
+        ctx.save_for_backward(flat, k, v, positions, hidden, out, lse)
+        ctx.scale, ctx.fused, ctx.shape = scale, fused, q.shape
+        return out.reshape(q.shape), lse.view(q.shape[:-1])
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q, k, v, positions, hidden, out, lse = ctx.saved_tensors
-        R, Hkv, G, c, bs, d = q.shape
-        k_window, v_window = _window(k, positions), _window(v, positions)
-        probs = _scores(q, k_window, hidden, ctx.scale).sub_(lse[..., None]).exp_()
-        flat = probs.view(R, Hkv, -1, probs.shape[-1])
-        d_flat = d_out.reshape(R, Hkv, -1, d)
-        d_v = torch.matmul(flat.transpose(2, 3).to(v.dtype), d_flat)
-        d_probs = torch.matmul(d_flat, v_window.transpose(2, 3)).float().view(probs.shape)
-        row = (d_out.float() * out.float()).sum(dim=-1) - d_lse
-        d_scores = d_probs.sub_(row[..., None]).mul_(probs).view(flat.shape).to(q.dtype)
-        d_q = torch.matmul(d_scores, k_window).view(q.shape) * ctx.scale
-        d_k = torch.matmul(d_scores.transpose(2, 3), (q * ctx.scale).reshape(R, Hkv, -1, d))
-        index = positions[:, None, :, None].expand(R, Hkv, positions.shape[1], d)
+        kernel = _backward_fused if ctx.fused else _backward_math
+        d_q, d_k, d_v = kernel(
+            q,
+            _window(k, positions),
+            _window(v, positions),
+            _query_rows(hidden, ctx.shape),
+            ctx.scale,
+            out,
+            lse,
+            d_out.reshape(out.shape).contiguous(),
+            d_lse.reshape(lse.shape),
+        )
+        index = positions[:, None, :, None].expand(*k.shape[:2], positions.shape[1], k.shape[-1])
         d_k = torch.zeros_like(k).scatter_add_(2, index, d_k)
         d_v = torch.zeros_like(v).scatter_add_(2, index, d_v)
-        return d_q, d_k, d_v, None, None, None
+        return d_q.reshape(ctx.shape), d_k, d_v, None, None, None
 
 
 def _own_blocks(q: Tensor, block_kv: KV, scale: float) -> tuple[Tensor, Tensor]:

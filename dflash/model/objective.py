@@ -128,6 +128,23 @@ class ChunkedHeadLoss(torch.autograd.Function):
         return (grad_loss * grad).to(ctx.hidden_dtype), None, None, None, None
 
 
+def _one_row(features, input_ids, loss_mask, document_ids, position_ids, anchors):
+    """The micro-batch as one row of ``R*T`` tokens that holds only its real anchors.
+
+    Anchor slots padded to the busiest row (in packed rows most of them) would cost the drafter
+    as much as real ones. Laid end to end, rows keep their documents apart: each row's
+    document ids are shifted by ``row * T``; the rule needs nothing else.
+    """
+    R, T = input_ids.shape
+    row = torch.arange(R, device=anchors.device)[:, None]
+    docs = torch.where(document_ids >= 0, document_ids + row * T, -1)
+    real = (anchors + row * T)[anchors >= 0]
+    if real.numel() == 0:
+        real = anchors.new_full((1,), -1)
+    flat = [x.reshape(1, R * T) for x in (input_ids, loss_mask, docs, position_ids)]
+    return features.reshape(1, R * T, -1), *flat, real[None]
+
+
 def dflash_objective(
     drafter: DFlashDrafter,
     features: Tensor,
@@ -142,9 +159,13 @@ def dflash_objective(
 ) -> ObjectiveOutput:
     """Decay-weighted block cross-entropy of ``R`` rows of ``T`` tokens with ``A`` anchors each.
 
-    ``flex`` forces FlexAttention (True) or SDPA (False); None picks FlexAttention on CUDA.
+    ``flex`` forces FlexAttention (True) or the two-part kernel (False); None picks
+    FlexAttention on CUDA.
     """
     _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, features)
+    features, input_ids, loss_mask, document_ids, position_ids, anchors = _one_row(
+        features, input_ids, loss_mask, document_ids, position_ids, anchors
+    )
     bs, T = drafter.config.block_size, input_ids.shape[1]
     R, A = anchors.shape
     slot = torch.arange(bs, device=anchors.device)
