@@ -11,8 +11,9 @@ the row's ``T`` context features and the same blocks. A block slot may see:
 Padded blocks (anchor -1) see nothing and output 0. On CUDA the rule is a block-sparse
 FlexAttention ``BlockMask``. Elsewhere it is applied in two parts that are merged exactly by
 their log-sum-exp: each block over its own ``bs`` slots (a tiny ``[A, bs, bs]`` square), and
-chunks of anchors over the context window they can see, recomputed in backward. So neither the
-``(A*bs)^2`` block square nor an ``A*bs x T`` score matrix for all anchors ever exists.
+chunks of anchors over the context window they can see (torch's fused flash-attention kernel
+on CPU), recomputed in backward. So neither the ``(A*bs)^2`` block square nor an ``A*bs x T``
+score matrix for all anchors ever exists.
 :func:`build_block_mask`, the same rule as one dense boolean mask, is the reference they are
 tested against.
 """
@@ -39,6 +40,10 @@ context windows closer; this size trained fastest on the default)."""
 
 HIDDEN = torch.finfo(torch.float32).min
 """Score of a key a query may not see: finite, so a query that sees nothing stays finite."""
+
+FUSED_ON_CPU = True
+"""Run the context chunks on torch's fused flash-attention CPU kernel: several times faster
+than the same math in plain torch ops, which runs elsewhere and is its tested twin."""
 
 KV = tuple[Tensor, Tensor]
 
@@ -274,10 +279,9 @@ def _query_rows(hidden: Tensor, shape: torch.Size) -> Tensor:
 
 def _forward_fused(q, k, v, hidden, scale):
     """:func:`_forward_math` by torch's fused CPU flash-attention kernel."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, attn_mask=_fused_bias(q, hidden), scale=scale
     )
-    return out, lse
 
 
 def _backward_fused(q, k, v, hidden, scale, out, lse, d_out, d_lse):
@@ -303,11 +307,6 @@ def _backward_fused(q, k, v, hidden, scale, out, lse, d_out, d_lse):
         scale=scale,
     )
     return d_q[..., :-1], d_k[..., :-1], d_v[..., :-1]
-
-
-FUSED_ON_CPU = True
-"""Use torch's fused flash-attention CPU kernel for the context chunks (several times faster
-than the same math in plain torch ops, which runs elsewhere and is its tested reference)."""
 
 
 def _flat(x: Tensor) -> Tensor:
