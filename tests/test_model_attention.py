@@ -90,6 +90,18 @@ def test_chunks_cut_the_context_window():
     assert document_starts(docs)[0, [0, 10, 11, 24, 25, 39]].tolist() == [0, 0, 11, 11, 25, 37]
 
 
+def test_chunks_stay_within_the_score_budget():
+    """No score matrix for all anchors at once: each chunk holds at most ``budget`` scores per
+    head, unless a single anchor needs more."""
+    anchors, docs = _rows([11, 25], [[1, 4, 8, 12, 20, 26, 30, 33], [0, 2, 5, 9, 13, 27, 29, -1]])
+    for budget in (50, 300, 3000):
+        chunks = anchor_blocks(anchors, docs, BS, T, budget=budget).chunks
+        assert sum(c.stop - c.start for c in chunks) <= anchors.shape[1]
+        for c in chunks:
+            n = c.stop - c.start
+            assert n == 1 or 2 * n * BS * c.positions.shape[1] <= budget
+
+
 def test_no_chunk_when_no_anchor_has_context(kernel):
     anchors, docs = _rows([11], [[0, 11, -1]])
     assert anchor_blocks(anchors, docs, BS, T, budget=1 << 20).chunks == ()
