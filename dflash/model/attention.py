@@ -138,17 +138,18 @@ def document_starts(document_ids: Tensor) -> Tensor:
 
 
 def _chunk_bounds(lo: list[int], hi: list[int], scores_per_position: int, budget: int):
-    """Greedy runs ``[start, stop)`` of anchor columns whose context scores, ``anchors x
-    scores_per_position x (max hi - min lo)``, fit the budget; at least one anchor each."""
+    """Greedy runs ``[start, stop)`` of anchor columns sharing a context start ``lo`` (one
+    document of a packed row) whose scores, ``anchors x scores_per_position x (max hi - lo)``,
+    fit the budget; at least one anchor each. Anchors of the next document would widen the
+    window for all of a run's anchors, hence a new run there."""
     bounds, start = [], 0
     while start < len(lo):
-        stop, low, high = start + 1, lo[start], hi[start]
-        while stop < len(lo):
-            wider_low, wider_high = min(low, lo[stop]), max(high, hi[stop])
-            size = (stop + 1 - start) * scores_per_position * max(wider_high - wider_low, 0)
-            if size > budget:
+        stop, high = start + 1, hi[start]
+        while stop < len(lo) and lo[stop] == lo[start]:
+            wider = max(high, hi[stop])
+            if (stop + 1 - start) * scores_per_position * max(wider - lo[start], 0) > budget:
                 break
-            low, high, stop = wider_low, wider_high, stop + 1
+            high, stop = wider, stop + 1
         bounds.append((start, stop))
         start = stop
     return bounds
