@@ -2,10 +2,12 @@
 
 Needs the pipeline's data and target (`make repro`, or `dvc repro tokenize stats`). For each
 strategy it plans one epoch and trains it in a scratch directory that links the real
-artefacts, then prints real and padded tokens/s, padding efficiency and the share of step
-time spent waiting for data, with ratios against the `sorted` baseline of the same run.
+artefacts, then prints real and padded tokens/s, padding efficiency, the share of step
+time spent waiting for data and the training seconds, with ratios against the `sorted`
+baseline of the same run.
 
     python bench/train_throughput.py [--epochs 1] [--world-size 1] [--strategies a,b]
+        [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def run_strategy(strategy: str, args: argparse.Namespace) -> dict:
             f"train.world_size={args.world_size}",
             "logging.wandb=disabled",
             f"train.checkpoint_every={10**9}",
+            *args.set,
         ]
         flags = [x for s in sets for x in ("--set", s)]
         params = ["--params", str(ROOT / "params.yaml")]
@@ -54,16 +57,27 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--strategies", default="sorted,shuffle,bucketed,packed")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra params override for every run, e.g. drafter.anchors_per_sequence=128",
+    )
     args = parser.parse_args()
     for rel in LINKED:
         if not (ROOT / rel).exists():
             sys.exit(f"{rel} is missing: run `make repro` (or `dvc repro stats`) first")
     results = {s: run_strategy(s, args) for s in args.strategies.split(",")}
     base = results.get("sorted") or next(iter(results.values()))
-    print(f"\nworld size {args.world_size}, {args.epochs} epoch(s), tiny default params.yaml")
+    overrides = f" with {', '.join(args.set)}" if args.set else ""
+    print(
+        f"\nworld size {args.world_size}, {args.epochs} epoch(s), tiny default params.yaml"
+        f"{overrides}"
+    )
     header = (
         f"{'strategy':<10}{'eff':>7}{'tok/s':>10}{'pad tok/s':>11}{'vs sorted':>11}"
-        f"{'data wait':>11}"
+        f"{'data wait':>11}{'train s':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -71,7 +85,7 @@ def main() -> None:
         print(
             f"{name:<10}{m['padding_efficiency']:>7.3f}{m['tokens_per_s']:>10.0f}"
             f"{m['padded_tokens_per_s']:>11.0f}{m['tokens_per_s'] / base['tokens_per_s']:>10.2f}x"
-            f"{m['data_wait_fraction']:>10.1%}"
+            f"{m['data_wait_fraction']:>10.1%}{m['train_seconds']:>9.0f}"
         )
 
 

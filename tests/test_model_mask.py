@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_qwen3
 
-from dflash.model.attention import attend, block_mask_mod, build_block_mask
+from dflash.model.attention import block_mask_mod, build_block_mask, dense_attention
 from dflash.model.drafter import DFlashDrafter
 
 BS = 3
@@ -75,7 +75,7 @@ def test_blind_queries_give_zeros_and_finite_gradients():
     v = torch.randn(1, 1, 6, 8, requires_grad=True)
     mask = torch.zeros(1, 4, 6, dtype=torch.bool)
     mask[0, :2, :3] = True
-    out = attend(q, k, v, mask, scale=8**-0.5)
+    out = dense_attention(q, k, v, mask, scale=8**-0.5)
     assert torch.equal(out[0, :, 2:], torch.zeros(2, 2, 8))
     out.sum().backward()
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))

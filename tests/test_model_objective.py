@@ -5,10 +5,14 @@ import math
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_qwen3
 from transformers import Qwen3ForCausalLM
 
+from dflash.model import attention, objective
+from dflash.model import drafter as drafter_module
 from dflash.model.anchors import sample_anchors
+from dflash.model.attention import build_block_mask
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features, target_layer_ids
 from dflash.model.objective import block_labels, decay_weights, dflash_objective
@@ -183,3 +187,75 @@ def test_bf16_autocast_loss_is_close_to_fp32(target, drafter):
         bf16 = dflash_objective(drafter, features, ids, loss, docs, pos, anchors, 7.0).loss_sum
     bf16.backward()
     assert torch.isfinite(bf16) and abs(float(bf16) / float(fp32) - 1) < 2e-2
+
+
+def _unchunked_objective(drafter, features, ids, loss_mask, docs, pos, anchors, gamma):
+    """The objective as first written: dense mask, full-vocabulary logits for every label."""
+    bs = drafter.config.block_size
+    R, A = anchors.shape
+    slot = torch.arange(bs)
+    first = ids.gather(1, anchors.clamp(min=0))[:, :, None]
+    block_ids = torch.where(slot == 0, first, drafter.config.mask_token_id).flatten(1)
+    block_pos = (pos.gather(1, anchors.clamp(min=0))[:, :, None] + slot).flatten(1)
+    mask = build_block_mask(anchors, docs, bs, ids.shape[1])
+    hidden = drafter(block_ids, block_pos, features, pos, mask).view(R, A, bs, -1)
+    labels, counts = block_labels(ids, loss_mask, docs, anchors, bs)
+    logits = drafter.logits(hidden[counts]).float()
+    slots = slot.expand_as(labels)[counts]
+    weights = decay_weights(bs, gamma)[slots]
+    ce = F.cross_entropy(logits, labels[counts], reduction="none")
+    hits = logits.argmax(dim=-1) == labels[counts]
+    return (weights * ce).sum(), torch.bincount(slots[hits], minlength=bs)
+
+
+def _drafter_grads(drafter, loss):
+    drafter.zero_grad()
+    loss.backward()
+    return [p.grad.clone() for p in drafter.parameters()]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_objective_equals_the_unchunked_dense_computation(target, drafter, monkeypatch, packed):
+    """Chunked loss and two-part attention: same loss, hits and gradients as full logits + mask."""
+    monkeypatch.setattr(objective, "LOGITS_PER_CHUNK", 7 * drafter.config.vocab_size)
+    monkeypatch.setattr(attention, "CONTEXT_SCORES_PER_CHUNK", 1)  # one anchor per chunk
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randint(1, 290, (14,), generator=gen), torch.randint(1, 290, (11,), generator=gen)
+    if packed:
+        ids = torch.cat([a, b])[None]
+        docs = torch.tensor([[0] * 14 + [1] * 11])
+        pos = torch.tensor([list(range(14)) + list(range(11))])
+        anchors = torch.tensor([[0, 2, 5, 9, 10, 14, 16, 21]])
+    else:
+        ids = torch.stack([a, torch.cat([b, torch.zeros(3, dtype=torch.long)])])
+        docs = torch.tensor([[0] * 14, [0] * 11 + [-1] * 3])
+        pos = torch.tensor([list(range(14)), list(range(11)) + [0] * 3])
+        anchors = torch.tensor([[1, 4, 6, 10], [0, 3, 7, -1]])
+    loss_mask = (docs >= 0) & (torch.rand(docs.shape, generator=gen) < 0.8)
+    features = target_features(target, ids, pos, docs, drafter.config.target_layer_ids)
+
+    ref_loss, ref_correct = _unchunked_objective(
+        drafter, features, ids, loss_mask, docs, pos, anchors, 7.0
+    )
+    ref_grads = _drafter_grads(drafter, ref_loss)
+    out = dflash_objective(drafter, features, ids, loss_mask, docs, pos, anchors, 7.0)
+    grads = _drafter_grads(drafter, out.loss_sum)
+    torch.testing.assert_close(out.loss_sum, ref_loss, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.correct, ref_correct)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_autocast_gives_the_attention_bf16_inputs(target, drafter, monkeypatch):
+    seen = []
+
+    def recording_attend(q, context_kv, block_kv, mask, scale):
+        seen.append({t.dtype for t in (q, *context_kv, *block_kv)})
+        return attention.attend(q, context_kv, block_kv, mask, scale)
+
+    monkeypatch.setattr(drafter_module, "attend", recording_attend)
+    ids, docs, loss, pos = _inputs([list(range(1, 13))], [[0] * 12], [[1] * 12], [list(range(12))])
+    features = target_features(target, ids, pos, docs, drafter.config.target_layer_ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dflash_objective(drafter, features, ids, loss, docs, pos, torch.tensor([[0, 3, 8]]), 7.0)
+    assert seen and all(dtypes == {torch.bfloat16} for dtypes in seen)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from dflash.model.attention import BlockMask, attend
+from dflash.model.attention import AnchorBlocks, BlockMask, attend
 from dflash.model.export import serving_keys
 from dflash.model.features import target_layer_ids as spread_layer_ids
 
@@ -132,7 +132,8 @@ class DFlashAttention(nn.Module):
 
     def _keys_values(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         n = self.config.num_key_value_heads
-        k = apply_rotary(self.k_norm(self._heads(self.k_proj(x), n)).transpose(1, 2), *rope)
+        k = self._heads(self.k_proj(x), n)
+        k = apply_rotary(self.k_norm(k).to(k.dtype).transpose(1, 2), *rope)
         return k, self._heads(self.v_proj(x), n).transpose(1, 2)
 
     def forward(
@@ -141,18 +142,16 @@ class DFlashAttention(nn.Module):
         context: Tensor,
         rope_block: tuple[Tensor, Tensor],
         rope_context: tuple[Tensor, Tensor],
-        mask: Tensor | BlockMask | None,
+        mask: AnchorBlocks | BlockMask | Tensor | None,
         cache: ContextCache | None,
     ) -> Tensor:
-        q = self.q_norm(self._heads(self.q_proj(x), self.config.num_attention_heads))
-        q = apply_rotary(q.transpose(1, 2), *rope_block)
-        k_block, v_block = self._keys_values(x, rope_block)
-        k_context, v_context = self._keys_values(context, rope_context)
+        q = self._heads(self.q_proj(x), self.config.num_attention_heads)
+        q = apply_rotary(self.q_norm(q).to(q.dtype).transpose(1, 2), *rope_block)
+        block = self._keys_values(x, rope_block)
+        context_kv = self._keys_values(context, rope_context)
         if cache is not None:
-            k_context, v_context = cache.extend(self.layer, k_context, v_context)
-        k = torch.cat([k_context, k_block], dim=2)
-        v = torch.cat([v_context, v_block], dim=2)
-        out = attend(q, k, v, mask, scale=self.config.head_dim**-0.5)
+            context_kv = cache.extend(self.layer, *context_kv)
+        out = attend(q, context_kv, block, mask, scale=self.config.head_dim**-0.5)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -181,7 +180,7 @@ class DFlashLayer(nn.Module):
         context: Tensor,
         rope_block: tuple[Tensor, Tensor],
         rope_context: tuple[Tensor, Tensor],
-        mask: Tensor | BlockMask | None,
+        mask: AnchorBlocks | BlockMask | Tensor | None,
         cache: ContextCache | None,
     ) -> Tensor:
         attn_in = self.input_layernorm(x)
@@ -299,11 +298,16 @@ class DFlashDrafter(nn.Module):
         weight = self.borrowed.embed_tokens.weight.detach()
         return F.embedding(token_ids, weight).to(self.fc.weight.dtype)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """Target LM head applied to drafter hidden states, its weights detached."""
+    def head(self) -> tuple[Tensor, Tensor | None]:
+        """The target LM head's weight and bias, detached so no gradient reaches the target."""
         head = self.borrowed.lm_head
         bias = None if getattr(head, "bias", None) is None else head.bias.detach()
-        return F.linear(hidden.to(head.weight.dtype), head.weight.detach(), bias)
+        return head.weight.detach(), bias
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Target LM head applied to drafter hidden states."""
+        weight, bias = self.head()
+        return F.linear(hidden.to(weight.dtype), weight, bias)
 
     def forward(
         self,
@@ -311,14 +315,15 @@ class DFlashDrafter(nn.Module):
         block_positions: Tensor,
         features: Tensor,
         context_positions: Tensor,
-        mask: Tensor | BlockMask | None = None,
+        mask: AnchorBlocks | BlockMask | Tensor | None = None,
         cache: ContextCache | None = None,
     ) -> Tensor:
         """Hidden states ``[B, Q, H]`` of the block slots.
 
         ``block_ids``/``block_positions`` are ``[B, Q]``; ``features`` ``[B, C, n*H]`` are target
         features at ``context_positions`` ``[B, C]`` (with a cache: only the new ones). ``mask``
-        is ``[B, Q, C + Q]`` or a BlockMask; None lets every slot see everything.
+        is the training rule from :func:`~dflash.model.attention.build_attention_mask`, a dense
+        ``[B, Q, C + Q]`` boolean mask, or None: every slot sees everything.
         """
         c = self.config
         x = self.embed(block_ids)

@@ -86,6 +86,65 @@ def _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, fea
         raise ValueError("an anchor points at padding (document id -1)")
 
 
+LOGITS_PER_CHUNK = 1 << 24
+"""Logit elements (labels x vocab) held at once by the loss: 64 MiB of fp32 per buffer."""
+
+
+class ChunkedHeadLoss(torch.autograd.Function):
+    """``Σ w * CE(lm_head(hidden), target)`` and top-1 hits without the full logits.
+
+    The LM head is frozen, so the only gradient is the one w.r.t. ``hidden``; it is computed
+    chunk by chunk in the forward, while each chunk's fp32 logits exist, and kept as one
+    ``[N, H]`` tensor. Logits never exist for more than one chunk of labels.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, weights):
+        rows = max(1, LOGITS_PER_CHUNK // weight.shape[0])
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        hits = torch.empty_like(target, dtype=torch.bool)
+        grad = torch.empty_like(hidden, dtype=torch.float32) if ctx.needs_input_grad[0] else None
+        for i in range(0, hidden.shape[0], rows):
+            part = slice(i, i + rows)
+            logits = F.linear(hidden[part].to(weight.dtype), weight, bias).float()
+            top, best = logits.max(dim=-1)
+            hits[part] = best == target[part]
+            picked = logits.gather(1, target[part, None])[:, 0]
+            probs = logits.sub_(top[:, None]).exp_()  # in place: one [rows, V] buffer
+            total = probs.sum(dim=-1)
+            loss += (weights[part] * (top + total.log() - picked)).sum()
+            if grad is not None:  # d CE / d logits = softmax - one_hot, then through the head
+                probs.mul_((weights[part] / total)[:, None])
+                probs[torch.arange(len(top), device=probs.device), target[part]] -= weights[part]
+                grad[part] = probs.to(weight.dtype) @ weight
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_hits):
+        (grad,) = ctx.saved_tensors
+        return (grad_loss * grad).to(ctx.hidden_dtype), None, None, None, None
+
+
+def _one_row(features, input_ids, loss_mask, document_ids, position_ids, anchors):
+    """The micro-batch as one row of ``R*T`` tokens that holds only its real anchors.
+
+    Anchor slots padded to the busiest row (in packed rows most of them) would cost the drafter
+    as much as real ones. Laid end to end, rows keep their documents apart: each row's
+    document ids are shifted by ``row * T``; the rule needs nothing else.
+    """
+    R, T = input_ids.shape
+    row = torch.arange(R, device=anchors.device)[:, None]
+    docs = torch.where(document_ids >= 0, document_ids + row * T, -1)
+    real = (anchors + row * T)[anchors >= 0]
+    if real.numel() == 0:
+        real = anchors.new_full((1,), -1)
+    flat = [x.reshape(1, R * T) for x in (input_ids, loss_mask, docs, position_ids)]
+    return features.reshape(1, R * T, -1), *flat, real[None]
+
+
 def dflash_objective(
     drafter: DFlashDrafter,
     features: Tensor,
@@ -100,9 +159,13 @@ def dflash_objective(
 ) -> ObjectiveOutput:
     """Decay-weighted block cross-entropy of ``R`` rows of ``T`` tokens with ``A`` anchors each.
 
-    ``flex`` forces FlexAttention (True) or SDPA (False); None picks FlexAttention on CUDA.
+    ``flex`` forces FlexAttention (True) or the two-part kernel (False); None picks
+    FlexAttention on CUDA.
     """
     _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, features)
+    features, input_ids, loss_mask, document_ids, position_ids, anchors = _one_row(
+        features, input_ids, loss_mask, document_ids, position_ids, anchors
+    )
     bs, T = drafter.config.block_size, input_ids.shape[1]
     R, A = anchors.shape
     slot = torch.arange(bs, device=anchors.device)
@@ -117,12 +180,9 @@ def dflash_objective(
     ).view(R, A, bs, -1)
 
     labels, counts = block_labels(input_ids, loss_mask, document_ids, anchors, bs)
-    logits = drafter.logits(hidden[counts]).float()
-    target = labels[counts]
     slots = slot.expand_as(labels)[counts]
-    weights = decay_weights(bs, gamma).to(logits.device)[slots]
-    loss_sum = (weights * F.cross_entropy(logits, target, reduction="none")).sum()
-    hits = logits.argmax(dim=-1) == target
+    weights = decay_weights(bs, gamma).to(hidden.device)[slots]
+    loss_sum, hits = ChunkedHeadLoss.apply(hidden[counts], *drafter.head(), labels[counts], weights)
     return ObjectiveOutput(
         loss_sum=loss_sum,
         weight_sum=weights.sum(),

@@ -1,10 +1,9 @@
 """The training loop: each rank runs exactly the micro-batches its epoch plans assign to it.
 
-Per step: the ``grad_accum`` micro-batches of this rank, target features without gradients,
-the DFlash objective, backward under DDP (gradients synchronised on the last micro-batch
-only), one optimizer step. The loss is normalised by the loss-weight sum of the whole step
-over all ranks, computed before the forward from the anchors, so every token weighs the same
-whatever the batching strategy or the way samples fall onto ranks.
+Per step, :func:`dflash.train.step.forward_backward` accumulates the gradients of the rank's
+``grad_accum`` micro-batches; the loop clips them, takes one optimizer step (skipped, and
+counted, when the loss or the gradients are not finite), and keeps the run's state, logs and
+checkpoints.
 """
 
 from __future__ import annotations
@@ -28,30 +27,29 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import write_json_atomic
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
-from dflash.model.features import target_features
-from dflash.model.objective import dflash_objective
 from dflash.model.target import load_target
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
 from dflash.train.batches import MicroBatch, StepDataset, make_loader
-from dflash.train.distributed import Dist, all_reduce_sum, barrier, init_distributed, shutdown
+from dflash.train.distributed import Dist, barrier, init_distributed, shutdown
 from dflash.train.monitor import Monitor
 from dflash.train.plan_check import check_epoch_file, check_plan
+from dflash.train.step import forward_backward
 
 
 class DrafterDDP(DistributedDataParallel):
     """DDP that also exposes what the objective reads from the drafter besides its forward.
 
-    ``logits`` uses only the frozen, borrowed LM head, so calling it outside DDP's forward
-    leaves gradient synchronisation untouched.
+    ``head`` is the frozen, borrowed LM head, so using it outside DDP's forward leaves
+    gradient synchronisation untouched.
     """
 
     @property
     def config(self):
         return self.module.config
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.module.logits(hidden)
+    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.module.head()
 
 
 class TrainingError(RuntimeError):
@@ -155,31 +153,13 @@ class Trainer:
 
     def _run_epoch(self, epoch: int, monitor: Monitor | None) -> None:
         c = self.config
-        path = epoch_path(paths.PLANS, epoch)
-        check_epoch_file(path, self.plan_meta, epoch)
-        steps = read_rank_plan(path, self.ctx.rank)
-        if len(steps) != self.epoch_steps[epoch]:
-            raise InvalidPlanError(
-                f"{path}: rank {self.ctx.rank} has {len(steps)} steps, summary.json says "
-                f"{self.epoch_steps[epoch]}; rerun `dflash plan`"
-            )
-        first = self.state["step_in_epoch"]
-        dataset = StepDataset(
-            self.store,
-            steps,
-            first_step=first,
-            block_size=c.drafter.block_size,
-            anchors_per_sequence=c.drafter.anchors_per_sequence,
-            gamma=c.drafter.gamma,
-            seed=c.train.seed,
-            epoch=epoch,
-        )
+        dataset = self._epoch_dataset(epoch)
         loader = make_loader(
             dataset, c.train.num_workers, c.train.prefetch, self.ctx.device.type == "cuda"
         )
         bar = progress_bar(
-            total=len(steps),
-            initial=first,
+            total=self.epoch_steps[epoch],
+            initial=dataset.first_step,
             desc=f"epoch {epoch + 1}/{c.train.epochs}",
             unit="step",
             disable=not self.ctx.is_main,
@@ -193,14 +173,7 @@ class Trainer:
             t1 = time.perf_counter()
             result = self._step(micro_batches)
             t2 = time.perf_counter()
-            self.state["step_in_epoch"] += 1
-            self.state["global_step"] += 1
-            self.state["elapsed_s"] += t2 - t0
-            self.state["data_wait_s"] += t1 - t0
-            self.state["real_tokens"] += result["real_tokens"]
-            self.state["padded_tokens"] += result["padded_tokens"]
-            if result["finite"]:
-                self.state["epoch_loss"].append((epoch, result["loss"], result["weight"]))
+            self._record(epoch, result, t2 - t0, t1 - t0)
             window.add(result, t2 - t0, t1 - t0)
             if monitor is not None:
                 monitor.step(result)
@@ -214,77 +187,73 @@ class Trainer:
                 checkpoint.save(self)
         bar.close()
 
-    def _step(self, micro_batches: list[MicroBatch]) -> dict[str, Any]:
-        ctx, c = self.ctx, self.config
-        local = torch.tensor(
-            [
-                sum(mb.weight_sum for mb in micro_batches),
-                sum(mb.real_tokens for mb in micro_batches),
-                sum(mb.padded_tokens for mb in micro_batches),
-                sum(mb.n_samples for mb in micro_batches),
-            ],
-            dtype=torch.float64,
+    def _epoch_dataset(self, epoch: int) -> StepDataset:
+        """This rank's steps of the epoch's plan, from the step a resumed run stopped at."""
+        c = self.config
+        path = epoch_path(paths.PLANS, epoch)
+        check_epoch_file(path, self.plan_meta, epoch)
+        steps = read_rank_plan(path, self.ctx.rank)
+        if len(steps) != self.epoch_steps[epoch]:
+            raise InvalidPlanError(
+                f"{path}: rank {self.ctx.rank} has {len(steps)} steps, summary.json says "
+                f"{self.epoch_steps[epoch]}; rerun `dflash plan`"
+            )
+        return StepDataset(
+            self.store,
+            steps,
+            first_step=self.state["step_in_epoch"],
+            block_size=c.drafter.block_size,
+            anchors_per_sequence=c.drafter.anchors_per_sequence,
+            gamma=c.drafter.gamma,
+            seed=c.train.seed,
+            epoch=epoch,
         )
-        weight, real, padded, n_samples = all_reduce_sum(ctx, local).tolist()
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        correct = torch.zeros(c.drafter.block_size, dtype=torch.float64)
-        counted = torch.zeros(c.drafter.block_size, dtype=torch.float64)
-        for i, mb in enumerate(micro_batches):
-            mb = mb.to(ctx.device)
-            last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or not ctx.enabled else self.model.no_sync()
-            with sync:
-                with self.autocast:
-                    features = target_features(
-                        self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids
-                    )
-                    out = dflash_objective(
-                        self.model,
-                        features,
-                        mb.input_ids,
-                        mb.loss_mask,
-                        mb.document_ids,
-                        mb.position_ids,
-                        mb.anchors,
-                        c.drafter.gamma,
-                    )
-                # DDP averages gradients over ranks: scaled, the sum is Σ w·CE / Σ_global w.
-                (out.loss_sum * (ctx.world_size / max(weight, 1e-12))).backward()
-            loss_sum += out.loss_sum.detach().double().cpu()
-            correct += out.correct.double().cpu()
-            counted += out.counted.double().cpu()
-        totals = all_reduce_sum(ctx, torch.cat([loss_sum[None], correct, counted]))
-        loss = totals[0].item() / max(weight, 1e-12)
-        correct, counted = totals[1 : 1 + c.drafter.block_size], totals[1 + c.drafter.block_size :]
+
+    def _record(self, epoch: int, result: dict[str, Any], seconds: float, wait: float) -> None:
+        """Count a finished step into the run's state (checkpointed, so resumes continue it)."""
+        self.state["step_in_epoch"] += 1
+        self.state["global_step"] += 1
+        self.state["elapsed_s"] += seconds
+        self.state["data_wait_s"] += wait
+        self.state["real_tokens"] += result["real_tokens"]
+        self.state["padded_tokens"] += result["padded_tokens"]
+        if result["finite"]:
+            self.state["epoch_loss"].append((epoch, result["loss"], result["weight"]))
+
+    def _step(self, micro_batches: list[MicroBatch]) -> dict[str, Any]:
+        """Gradients of the step's micro-batches, then one update unless the loss is not finite."""
+        c = self.config
+        totals = forward_backward(
+            self.ctx,
+            self.target,
+            self.model,
+            self.layer_ids,
+            micro_batches,
+            c.drafter.gamma,
+            self.autocast,
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.train.clip_grad).item()
         lr = self.scheduler.get_last_lr()[0]
-        finite = math.isfinite(loss) and math.isfinite(grad_norm) and weight > 0
+        finite = math.isfinite(totals.loss) and math.isfinite(grad_norm) and totals.weight > 0
         if finite:
             self.optimizer.step()
             self.state["nonfinite_in_a_row"] = 0
         else:
-            self.state["skipped_steps"] += 1
-            self.state["nonfinite_in_a_row"] += 1
-            if self.state["nonfinite_in_a_row"] >= c.train.max_nonfinite_steps:
-                raise TrainingError(
-                    f"{self.state['nonfinite_in_a_row']} non-finite losses in a row (limit "
-                    f"train.max_nonfinite_steps = {c.train.max_nonfinite_steps}) at global step "
-                    f"{self.state['global_step']}: lower train.lr or check the data"
-                )
+            self._skip_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return {
-            "loss": loss,
-            "weight": weight,
-            "finite": finite,
-            "correct": correct,
-            "counted": counted,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "real_tokens": int(real),
-            "padded_tokens": int(padded),
-            "n_samples": int(n_samples),
-        }
+        return {**totals._asdict(), "finite": finite, "grad_norm": grad_norm, "lr": lr}
+
+    def _skip_step(self) -> None:
+        self.state["skipped_steps"] += 1
+        self.state["nonfinite_in_a_row"] += 1
+        limit = self.config.train.max_nonfinite_steps
+        if self.state["nonfinite_in_a_row"] >= limit:
+            raise TrainingError(
+                f"{self.state['nonfinite_in_a_row']} non-finite losses in a row (limit "
+                f"train.max_nonfinite_steps = {limit}) at global step "
+                f"{self.state['global_step']}: lower train.lr or check the data"
+            )
 
     def _summary(self) -> dict[str, Any]:
         s = self.state
