@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import torch
+from memory_model import MIB, Batch, Dims, step_bytes
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.model.anchors import sample_anchors
@@ -89,7 +90,27 @@ def limit_memory(gib: float | None) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
+def predicted_mib(args: argparse.Namespace, drafter: DFlashDrafter) -> float:
+    """The memory model's figure for this step in fp32, on top of the bare process."""
+    c = drafter.config
+    dims = Dims(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        target_layers=args.layers,
+        intermediate=c.intermediate_size,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        drafter_layers=args.drafter_layers,
+        features=len(c.target_layer_ids),
+        block_size=args.block_size,
+    )
+    batch = Batch(rows=args.rows, row_len=args.seq_len, anchors=args.anchors)
+    return step_bytes(dims, batch, act_bytes=4, weight_bytes=4) / MIB
+
+
 def one_step(args: argparse.Namespace) -> dict:
+    bare = peak_rss_mib()
     target, drafter = build_models(args)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     ids, loss_mask, documents, positions, anchors = micro_batch(args)
@@ -105,6 +126,7 @@ def one_step(args: argparse.Namespace) -> dict:
     return {
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "models_rss_mib": round(rss_models, 1),
+        "predicted_peak_rss_mib": round(bare + predicted_mib(args, drafter), 1),
         "step_s": round(step_s, 3),
         "tokens": args.rows * args.seq_len,
         "anchors": int((anchors >= 0).sum()),
@@ -119,8 +141,8 @@ def one_step(args: argparse.Namespace) -> dict:
 
 def table(args: argparse.Namespace) -> None:
     """One fresh process per shape, so each peak is that shape's own."""
-    print("| seq-len | anchors | peak RSS (MiB) | models alone (MiB) | step (s) |")
-    print("|---|---|---|---|---|")
+    print("| seq-len | anchors | peak RSS (MiB) | model (MiB) | models alone (MiB) | step (s) |")
+    print("|---|---|---|---|---|---|")
     for seq_len in (2048, 4096, 8192):
         for anchors in (128, 512):
             flags = [
@@ -139,12 +161,13 @@ def table(args: argparse.Namespace) -> None:
             )
             if run.returncode:
                 why = "out of memory" if "alloc" in run.stderr.lower() else "failed"
-                print(f"| {seq_len:,} | {anchors} | > {args.max_gib} GiB: {why} | | |")
+                print(f"| {seq_len:,} | {anchors} | > {args.max_gib} GiB: {why} | | | |")
                 continue
             r = json.loads(run.stdout.strip().splitlines()[-1])
             print(
                 f"| {seq_len:,} | {anchors} | {r['peak_rss_mib']:,.0f} | "
-                f"{r['models_rss_mib']:,.0f} | {r['step_s']:.2f} |"
+                f"{r['predicted_peak_rss_mib']:,.0f} | {r['models_rss_mib']:,.0f} | "
+                f"{r['step_s']:.2f} |"
             )
 
 
