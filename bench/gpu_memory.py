@@ -2,12 +2,13 @@
 
 ``python bench/gpu_memory.py`` prints the per-component memory of one micro-batch at the
 recipe's ``token_budget`` and the largest ``token_budget`` that fits 80 GB and 96 GB per GPU,
-with and without recomputing the drafter layers in backward. The formulas are those of
+with and without recomputing the drafter layers in backward (a lever this project does not
+implement yet: the column says what it would buy). The formulas are those of
 ``bench/memory_model.py``, which ``bench/step_memory.py`` checks against measured CPU peaks.
 
-Rows are modelled at the seeds' mean length (about 2,000 tokens), each with the recipe's 512
-anchors: a row of S tokens then carries 512 x 16 block slots, about 4 per token, and the
-drafter's activations scale with those slots, not with the tokens.
+Rows are the recipe's packed 4,096-token rows, each holding two documents of the seeds' mean
+length (about 2,000 tokens) with the recipe's 512 anchors each: 1,024 x 16 block slots per row,
+4 per token. The drafter's activations scale with those slots, not with the tokens.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def largest_budget(capacity_gb: float, args: argparse.Namespace, checkpoint_laye
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--token-budget", type=int, default=65536)
-    parser.add_argument("--row-len", type=int, default=2048, help="tokens per row (mean length)")
-    parser.add_argument("--anchors", type=int, default=512, help="anchors per row")
+    parser.add_argument("--token-budget", type=int, default=8192)
+    parser.add_argument("--row-len", type=int, default=4096, help="tokens per (packed) row")
+    parser.add_argument("--anchors", type=int, default=1024, help="anchors per row")
     args = parser.parse_args()
     batch = batch_of(args.token_budget, args.row_len, args.anchors)
     print(
@@ -71,7 +72,7 @@ def main() -> None:
     )
     plain = components(QWEN3_8B, batch, BF16, BF16)
     recomputed = components(QWEN3_8B, batch, BF16, BF16, checkpoint_layers=True)
-    print("| component | GB | GB, layers recomputed |")
+    print("| component | GB | GB, if layers were recomputed |")
     print("|---|---|---|")
     for name in plain:
         print(f"| {name} | {plain[name] / GB:,.1f} | {recomputed[name] / GB:,.1f} |")
@@ -80,7 +81,7 @@ def main() -> None:
         f"| **total** | **{total_gb(args.token_budget, args, False):,.1f}** | "
         f"**{total_gb(args.token_budget, args, True):,.1f}** |\n"
     )
-    print("| GPU | largest token_budget | layers recomputed |")
+    print("| GPU | largest token_budget | if layers were recomputed |")
     print("|---|---|---|")
     for capacity in (80, 96):
         print(

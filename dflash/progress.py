@@ -29,7 +29,16 @@ def progress_bar(iterable: Any = None, **kwargs: Any) -> tqdm:
             "ncols": 80,
             "file": _LineWriter(sys.stderr),
         }
+        return _LogBar(iterable, **kwargs)
     return tqdm(iterable, **kwargs)
+
+
+class _LogBar(tqdm):
+    """A bar whose postfix waits for the next timed line: tqdm's ``set_postfix`` redraws at
+    once by default, which would print a line every step however long the interval."""
+
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **kwargs: Any) -> None:
+        super().set_postfix(ordered_dict, refresh=False, **kwargs)
 
 
 class _LineWriter:
