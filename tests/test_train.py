@@ -23,11 +23,10 @@ from dflash.batching.io import read_plan_meta, read_rank_plan
 from dflash.config import load_config
 from dflash.data.store import TokenStore
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.features import target_features
-from dflash.model.objective import dflash_objective
 from dflash.model.target import load_target
 from dflash.train.batches import build_micro_batch
 from dflash.train.plan_check import check_plan
+from dflash.train.step import micro_batch_loss
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -79,19 +78,7 @@ def test_micro_batch_weight_sum_matches_objective(tiny_workspace):
         epoch=0,
     )
     assert mb.real_tokens == sum(length for row in steps[0][0] for _, _, length in row)
-    features = target_features(
-        target, mb.input_ids, mb.position_ids, mb.document_ids, drafter.config.target_layer_ids
-    )
-    out = dflash_objective(
-        drafter,
-        features,
-        mb.input_ids,
-        mb.loss_mask,
-        mb.document_ids,
-        mb.position_ids,
-        mb.anchors,
-        d.gamma,
-    )
+    out = micro_batch_loss(target, drafter, drafter.config.target_layer_ids, mb, d.gamma)
     assert out.weight_sum.item() == pytest.approx(mb.weight_sum, rel=1e-6)
 
 
@@ -155,34 +142,40 @@ def test_two_processes_match_one_process_on_the_first_step(tiny_workspace, tmp_p
     assert loss_one == pytest.approx(loss_two, rel=1e-5)
 
 
-@pytest.mark.slow
-def test_sigkill_mid_epoch_then_resume_gives_identical_weights(tiny_workspace, tmp_path):
+def assert_kill_and_resume_is_bitwise(workspace: Path, tmp_path: Path, *knobs: str) -> None:
+    """Train once whole; train again, SIGKILL it after step 3's checkpoint, resume: the two
+    final drafters must be bitwise equal."""
     reference = tmp_path / "reference"
-    os.system(f"cp -r {tiny_workspace} {reference}")
-    proc = torchrun(reference, "train.checkpoint_every=1")
-    out, _ = proc.communicate(timeout=300)
+    os.system(f"cp -r {workspace} {reference}")
+    proc = torchrun(reference, *knobs)
+    out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out
 
-    proc = torchrun(tiny_workspace, "train.checkpoint_every=1")
-    ckpt = tiny_workspace / "checkpoints"
-    deadline = time.time() + 300
+    proc = torchrun(workspace, *knobs)
+    ckpt = workspace / "checkpoints"
+    deadline = time.time() + 400
     while time.time() < deadline and not (ckpt / "step_00000003.pt.sha256").exists():
         time.sleep(0.005)
     kill_tree(proc.pid)
     proc.communicate()
-    assert not (tiny_workspace / "models/drafter").exists(), "run finished before it was killed"
+    assert not (workspace / "models/drafter").exists(), "run finished before it was killed"
     steps_done = max(int(p.name[5:13]) for p in ckpt.glob("step_*.pt"))
-    plan = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
+    plan = json.loads((workspace / "data/plans/summary.json").read_text())
     assert steps_done < plan["n_steps"]
 
-    proc = torchrun(tiny_workspace, "train.checkpoint_every=1")
-    out, _ = proc.communicate(timeout=300)
+    proc = torchrun(workspace, *knobs)
+    out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out
     assert "resumed at" in out
-    a, b = final_weights(reference), final_weights(tiny_workspace)
+    a, b = final_weights(reference), final_weights(workspace)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_gives_identical_weights(tiny_workspace, tmp_path):
+    assert_kill_and_resume_is_bitwise(tiny_workspace, tmp_path, "train.checkpoint_every=1")
 
 
 def test_corrupt_newest_checkpoint_falls_back_to_previous(tiny_workspace):

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import time
 
 import pytest
-import torch
 from conftest import run_stages
-from test_train import final_weights, kill_tree, torchrun
+from test_train import assert_kill_and_resume_is_bitwise, torchrun
 
 from dflash.batching.io import read_rank_plan
 
@@ -56,28 +53,4 @@ def test_ddp_with_accumulation_matches_one_process(tiny_workspace):
 @pytest.mark.slow
 def test_sigkill_then_resume_with_data_workers_gives_identical_weights(tiny_workspace, tmp_path):
     knobs = ("train.checkpoint_every=1", "train.num_workers=1", "train.prefetch=2")
-    reference = tmp_path / "reference"
-    os.system(f"cp -r {tiny_workspace} {reference}")
-    proc = torchrun(reference, *knobs)
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
-
-    proc = torchrun(tiny_workspace, *knobs)
-    ckpt = tiny_workspace / "checkpoints"
-    deadline = time.time() + 400
-    while time.time() < deadline and not (ckpt / "step_00000003.pt.sha256").exists():
-        time.sleep(0.005)
-    kill_tree(proc.pid)
-    proc.communicate()
-    assert not (tiny_workspace / "models/drafter").exists(), "run finished before it was killed"
-    plan = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
-    assert max(int(p.name[5:13]) for p in ckpt.glob("step_*.pt")) < plan["n_steps"]
-
-    proc = torchrun(tiny_workspace, *knobs)
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
-    assert "resumed at" in out
-    a, b = final_weights(reference), final_weights(tiny_workspace)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_kill_and_resume_is_bitwise(tiny_workspace, tmp_path, *knobs)
