@@ -14,8 +14,12 @@ CONVERSATIONS = INGESTED / "conversations.parquet"
 HELDOUT = INGESTED / "heldout.parquet"
 """Held-out split, same schema; evaluation prompts come from here."""
 INGEST_REPORT = INGESTED / "ingest_report.json"
+INGEST_UNCAPPED = "uncapped.parquet"
+"""Scratch file of the ingest stage's output directory while ``data.max_conversations`` cuts."""
 
 TOKENIZER = Path("models/tokenizer")
+TOKENIZER_INFO = "dflash_tokenizer.json"
+"""In a tokenizer directory: where it came from, its mask token and its hash."""
 TARGET = Path("models/target")
 TARGET_REFERENCE = "dflash_target.json"
 """In a target directory: the reference to a model that is not copied (``target.path``)."""
@@ -26,11 +30,19 @@ REGENERATED_CONVERSATIONS = REGENERATED / "conversations.parquet"
 REGENERATED_SHARDS = REGENERATED / "shards"
 """Persisted between runs (``persist: true``) so an interrupted regeneration resumes."""
 REGENERATE_REPORT = REGENERATED / "report.json"
+REGENERATED_SHARD = "shard_{index:05d}"
+"""A shard's stem: ``.parquet`` holds its conversations, ``.json`` commits it (written last)."""
+REGENERATED_SHARD_COMMITS = "shard_*.json"
 
 TOKENIZED = Path("data/tokenized")
-TOKEN_INDEX = TOKENIZED / "index.parquet"
+STORE_TOKENS = "tokens.bin"
+STORE_LOSS_MASK = "loss_mask.bin"
+STORE_INDEX = "index.parquet"
+STORE_MANIFEST = "manifest.json"
+"""The four files of a token store directory (``dflash.data.store``)."""
+TOKEN_INDEX = TOKENIZED / STORE_INDEX
 TOKENIZE_REPORT = TOKENIZED / "tokenize_report.json"
-TOKEN_MANIFEST = TOKENIZED / "manifest.json"
+TOKEN_MANIFEST = TOKENIZED / STORE_MANIFEST
 
 STATS = Path("data/stats")
 STATS_LENGTHS = STATS / "lengths.json"
@@ -46,6 +58,9 @@ PLAN_METRICS = Path("metrics/plan.json")
 """The flat overall figures of ``data/plans/summary.json``, for ``dvc exp show``."""
 
 DRAFTER = Path("models/drafter")
+DRAFTER_CONFIG = "config.json"
+DRAFTER_WEIGHTS = "model.safetensors"
+"""The Hugging Face names serving stacks look for in a drafter directory."""
 CHECKPOINTS = Path("checkpoints")
 CHECKPOINT_NAME = "step_{step:08d}.pt"
 CHECKPOINT_GLOB = "step_*.pt"

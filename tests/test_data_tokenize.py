@@ -179,7 +179,7 @@ def test_stages_end_to_end(tmp_path, monkeypatch):
         outputs.append({p.name: p.read_bytes() for p in sorted(paths.TOKENIZED.iterdir())})
     assert outputs[0] == outputs[1]
     store = TokenStore(paths.TOKENIZED)
-    info = json.loads((paths.TOKENIZER / tokenizer.INFO_FILE).read_text())
+    info = json.loads((paths.TOKENIZER / paths.TOKENIZER_INFO).read_text())
     assert store.manifest["tokenizer_hash"] == info["hash"]
     assert store.manifest["mask_token_id"] == info["mask_token_id"]
     assert len(store) > 0 and store.lengths.max() <= 48

@@ -78,7 +78,7 @@ def test_stage_records_an_adopted_tokenizer(tmp_path, monkeypatch):
     foreign_tokenizer(tmp_path / "target_tok")
     monkeypatch.chdir(tmp_path)
     tok.run(Config(tokenizer=TokenizerConfig(path=str(tmp_path / "target_tok"))))
-    info = json.loads((paths.TOKENIZER / tok.INFO_FILE).read_text())
+    info = json.loads((paths.TOKENIZER / paths.TOKENIZER_INFO).read_text())
     assert info["mask_token_added"] is True and info["source"].endswith("target_tok")
     loaded = AutoTokenizer.from_pretrained(paths.TOKENIZER, local_files_only=True)
     assert loaded.convert_tokens_to_ids(tok.MASK_TOKEN) == info["mask_token_id"]
@@ -99,7 +99,7 @@ def test_stage_trains_on_the_training_split(tmp_path, monkeypatch):
     ]
     write_conversations(rows, paths.CONVERSATIONS)
     tok.run(Config(tokenizer=TokenizerConfig(vocab_size=300)))
-    info = json.loads((paths.TOKENIZER / tok.INFO_FILE).read_text())
+    info = json.loads((paths.TOKENIZER / paths.TOKENIZER_INFO).read_text())
     assert info["source"] == "trained" and info["mask_token_added"] is False
     first = (paths.TOKENIZER / "tokenizer.json").read_bytes()
     shutil.rmtree(paths.TOKENIZER)

@@ -47,7 +47,7 @@ def adopt(tmp_path, monkeypatch, mask_token):
 
 def test_a_reserved_token_is_used_and_nothing_is_appended(tmp_path, monkeypatch):
     size = adopt(tmp_path, monkeypatch, RESERVED)
-    info = json.loads((paths.TOKENIZER / tok.INFO_FILE).read_text())
+    info = json.loads((paths.TOKENIZER / paths.TOKENIZER_INFO).read_text())
     loaded = tok.load_tokenizer(paths.TOKENIZER)
     assert len(loaded) == size == info["vocab_size"]
     assert info["mask_token"] == RESERVED and info["mask_token_added"] is False

@@ -122,7 +122,7 @@ def ingest(
     """Validate, deduplicate and split numbered records into ``out``; returns the report."""
     tally = Tally()
     train_path = out / paths.CONVERSATIONS.name
-    capped = out / "uncapped.parquet" if max_conversations is not None else train_path
+    capped = out / paths.INGEST_UNCAPPED if max_conversations is not None else train_path
     train, heldout = ConversationWriter(capped), ConversationWriter(out / paths.HELDOUT.name)
     train_keys = array("Q")  # 8 bytes a training conversation, for data.max_conversations
     for number, record in records:

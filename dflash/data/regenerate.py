@@ -181,8 +181,8 @@ def regenerate_shard(
 def shard_paths(index: int) -> tuple[Path, Path]:
     """The shard's conversations and its commit file (written last, so it marks completion)."""
     return (
-        paths.REGENERATED_SHARDS / f"shard_{index:05d}.parquet",
-        paths.REGENERATED_SHARDS / f"shard_{index:05d}.json",
+        paths.REGENERATED_SHARDS / (paths.REGENERATED_SHARD.format(index=index) + ".parquet"),
+        paths.REGENERATED_SHARDS / (paths.REGENERATED_SHARD.format(index=index) + ".json"),
     )
 
 
@@ -197,7 +197,7 @@ def completed_shard(index: int, fp: str) -> dict | None:
 
 def remove_stale_shards(fp: str) -> None:
     """Delete shards committed under another fingerprint, so outputs never mix runs."""
-    for commit in paths.REGENERATED_SHARDS.glob("shard_*.json"):
+    for commit in paths.REGENERATED_SHARDS.glob(paths.REGENERATED_SHARD_COMMITS):
         if json.loads(commit.read_text()).get("fingerprint") != fp:
             commit.unlink()
             commit.with_suffix(".parquet").unlink(missing_ok=True)

@@ -27,7 +27,6 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, MASK_TOKEN]
-INFO_FILE = "dflash_tokenizer.json"
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -161,6 +160,6 @@ def run(config: Config) -> None:
     }
     with atomic_dir(paths.TOKENIZER) as out:  # no file of a previous tokenizer stays
         tokenizer.save_pretrained(str(out))
-        write_json_atomic(out / INFO_FILE, info)
+        write_json_atomic(out / paths.TOKENIZER_INFO, info)
     mask = f"{tokenizer.mask_token} id {tokenizer.mask_token_id}"
     print(f"tokenizer: {source}, {len(tokenizer)} tokens, mask {mask}")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from dflash import paths
 from dflash.model.attention import AnchorBlocks, BlockMask, attend
 from dflash.model.export import serving_keys
 from dflash.model.features import target_layer_ids as spread_layer_ids
@@ -280,17 +281,17 @@ class DFlashDrafter(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         dtype = self.borrowed.embed_tokens.weight.dtype
         config = self.config.to_dict(target_config, dtype)
-        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (directory / paths.DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
-        save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+        save_file(state, directory / paths.DRAFTER_WEIGHTS, metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: nn.Module) -> DFlashDrafter:
         directory = Path(directory)
-        config = DFlashConfig.from_dict(json.loads((directory / "config.json").read_text()))
+        config = DFlashConfig.from_dict(json.loads((directory / paths.DRAFTER_CONFIG).read_text()))
         drafter = cls._attach(config, target)
         # copied into fp32 parameters, as in training, whatever dtype the file holds
-        drafter.load_state_dict(load_file(directory / "model.safetensors"), strict=True)
+        drafter.load_state_dict(load_file(directory / paths.DRAFTER_WEIGHTS), strict=True)
         return drafter
 
     def embed(self, token_ids: Tensor) -> Tensor:
