@@ -97,7 +97,9 @@ def test_file_names_live_in_paths():
     """Outputs are named once, in dflash/paths.py; other modules use its constants."""
     import re
 
-    pattern = re.compile(r"[\"'](data|models|metrics|plots|checkpoints)/")
+    directories = r"[\"'](data|models|metrics|plots|checkpoints)/"
+    file_names = r"[\"'][\w*{}:.-]+\.(json|jsonl|parquet|bin|safetensors|pt|csv|png)[\"']"
+    pattern = re.compile(f"{directories}|{file_names}")
     offenders = [
         str(p.relative_to(ROOT))
         for p in (ROOT / "dflash").rglob("*.py")
