@@ -111,6 +111,19 @@ def main() -> None:
         with open(repo / CORPUS, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in tiny_corpus(40))
         run(repo, "git", "init", "-q")
+        # A first commit, as any user's repository has: DVCLive reads HEAD when it starts.
+        run(repo, "git", "add", "-A")
+        run(
+            repo,
+            "git",
+            "-c",
+            "user.name=ci",
+            "-c",
+            "user.email=ci@localhost",
+            "commit",
+            "-qm",
+            "base",
+        )
         run(repo, "dvc", "repro")
         if stale(repo):
             sys.exit(f"dvc status after dvc repro: {sorted(stale(repo))} still changed")
