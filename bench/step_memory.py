@@ -27,7 +27,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.model.anchors import sample_anchors
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.features import target_features, target_layer_ids
+from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
 
 GAMMA = 7.0
@@ -114,7 +114,7 @@ def one_step(args: argparse.Namespace) -> dict:
     target, drafter = build_models(args)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     ids, loss_mask, documents, positions, anchors = micro_batch(args)
-    layers = target_layer_ids(args.layers, len(drafter.config.target_layer_ids))
+    layers = drafter.config.target_layer_ids
     rss_models = peak_rss_mib()
     start = time.perf_counter()
     features = target_features(target, ids, positions, documents, layers)

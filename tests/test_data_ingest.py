@@ -266,9 +266,10 @@ def test_bom_jsonl_and_tool_calls_round_trip_through_the_stage(tmp_path, monkeyp
 
 def test_parquet_messages_column_of_json_strings_is_parsed(tmp_path, monkeypatch):
     rows = [{"messages": json.dumps(r["messages"])} for r in (OPENAI, OPENAI_TOOLS)]
-    pq.write_table(pa.Table.from_pylist(rows), raw_source(tmp_path, "in.parquet"))
+    source = raw_source(tmp_path, "in.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), source)
     monkeypatch.chdir(tmp_path)
-    assert run_cli(raw_source(tmp_path, "in.parquet"), "--set", "data.eval_fraction=0") == 0
+    assert run_cli(source, "--set", "data.eval_fraction=0") == 0
     train = read_conversations(tmp_path / paths.CONVERSATIONS)
     assert [c["messages"] for c in train] == [OPENAI["messages"], TOOL_MESSAGES]
 
