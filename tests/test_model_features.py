@@ -6,9 +6,10 @@ import pytest
 import torch
 from conftest import tiny_qwen3
 
+from dflash.model.document_attention import NAME, document_spans
 from dflash.model.features import (
     decoder_layers,
-    document_attention_mask,
+    one_document_per_row,
     select_features,
     target_features,
 )
@@ -81,6 +82,23 @@ def test_layers_above_the_deepest_fused_one_and_the_lm_head_never_run(target):
 
 
 def test_rows_of_one_document_need_no_mask():
-    assert document_attention_mask(padded_rows()[2]) is None
-    mask = document_attention_mask(packed_rows()[2])
-    assert mask.dtype == torch.bool and mask.shape == (2, 1, 24, 24)
+    assert one_document_per_row(padded_rows()[2])
+    assert not one_document_per_row(packed_rows()[2])
+
+
+def test_document_spans_skip_padding():
+    assert document_spans(packed_rows()[2]) == [[(0, 9), (9, 19), (19, 24)], [(0, 14), (14, 20)]]
+    assert document_spans(torch.tensor([[0, 0, -1, 1, -1]])) == [[(0, 2), (3, 4)]]
+
+
+def test_packed_rows_put_the_attention_kernel_back(target):
+    before = target.config._attn_implementation
+    ran = []
+    handle = decoder_layers(target)[0].self_attn.register_forward_hook(
+        lambda m, a, o: ran.append(m.config._attn_implementation)
+    )
+    try:
+        target_features(target, *packed_rows(), LAYERS)
+    finally:
+        handle.remove()
+    assert ran == [NAME] and target.config._attn_implementation == before

@@ -9,8 +9,12 @@ features its documents would yield one by one.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
+
+from dflash.model.document_attention import document_attention, document_spans
 
 
 def target_layer_ids(num_layers: int, n: int) -> list[int]:
@@ -39,21 +43,15 @@ def select_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> 
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def document_attention_mask(document_ids: Tensor) -> Tensor | None:
-    """Boolean ``[R, 1, T, T]`` mask, causal and inside one document; None when causal suffices.
+def one_document_per_row(document_ids: Tensor) -> bool:
+    """Whether every row holds one document from position 0, then padding.
 
-    Rows holding one document followed by padding need no mask: the real tokens attend only to
-    earlier real tokens under plain causal attention, and padding features are zeroed anyway.
-    SDPA then runs its causal kernel with no ``T x T`` tensor at all. Packed rows get the
-    block-diagonal mask, as booleans (a quarter of an fp32 additive mask).
+    Such rows need no mask: the real tokens attend only to earlier real tokens under plain
+    causal attention, and padding features are zeroed anyway, so SDPA runs its causal kernel
+    with no ``T x T`` tensor at all. Packed rows go through ``document_attention`` instead.
     """
     real = document_ids >= 0
-    one_document = (document_ids[real] == 0).all() and not (real[:, 1:] & ~real[:, :-1]).any()
-    if one_document:
-        return None
-    T = document_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=document_ids.device).tril()
-    return (causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+    return bool((document_ids[real] == 0).all() and not (real[:, 1:] & ~real[:, :-1]).any())
 
 
 class _Enough(Exception):
@@ -98,14 +96,17 @@ def target_features(
 
         return hook
 
+    if one_document_per_row(document_ids):
+        packing, spans = contextlib.nullcontext(), {}
+    else:
+        packing = document_attention(target)
+        spans = {"document_spans": document_spans(document_ids)}
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        target.base_model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=document_attention_mask(document_ids),
-            use_cache=False,
-        )
+        with packing:
+            target.base_model(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **spans
+            )
     except _Enough:
         pass
     finally:
