@@ -191,6 +191,5 @@ def test_an_interrupted_pass_through_leaves_old_conversations_and_no_report(tmp_
     assert (tmp_path / paths.REGENERATED_CONVERSATIONS).read_bytes() == old
     assert not (tmp_path / REPORT).exists()
     assert sorted(p.name for p in (tmp_path / paths.REGENERATED).iterdir()) == [
-        "conversations.parquet",
-        "shards",  # the persisted out DVC expects, empty when nothing is regenerated
+        "conversations.parquet"
     ]

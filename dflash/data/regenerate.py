@@ -292,7 +292,6 @@ def copy_conversations() -> dict:
     A byte copy in the file system's own chunks: memory does not grow with the corpus."""
     with atomic_path(paths.REGENERATED_CONVERSATIONS) as tmp:
         shutil.copyfile(paths.CONVERSATIONS, tmp)
-    paths.REGENERATED_SHARDS.mkdir(exist_ok=True)  # a declared out, even when left empty
     return {"skipped": True, "conversations": count_conversations(paths.CONVERSATIONS)}
 
 
