@@ -7,10 +7,9 @@ show`` and ``dvc plots diff`` compare them across experiments.
 
 from __future__ import annotations
 
-from typing import Any
-
 from dflash import paths
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
+from dflash.live import open_live
 
 LIVE_SUMMARY = (
     "acceptance_length",
@@ -22,13 +21,6 @@ LIVE_SUMMARY = (
     "answer_loop_fraction",
     "heldout_loss",
 )
-
-
-def open_live(directory) -> Any:
-    """A DVCLive logger that never edits ``dvc.yaml`` (its outputs are declared there)."""
-    from dvclive import Live  # imports DVC: only when a stage logs
-
-    return Live(str(directory), dvcyaml=None, save_dvc_exp=False, report=None)
 
 
 def live_summary(metrics: dict) -> dict[str, float]:

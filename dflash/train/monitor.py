@@ -17,6 +17,7 @@ from typing import Any
 from dflash import paths
 from dflash.config import Config
 from dflash.fileio import write_text_atomic
+from dflash.live import open_live
 from dflash.train.stability import is_spike, stability
 
 PLOT_COLUMNS = [
@@ -32,13 +33,6 @@ PLOT_COLUMNS = [
     "mean_sample_length",
     "data_wait_fraction",
 ]
-
-
-def open_live(directory: Path) -> Any:
-    """A DVCLive logger that never edits ``dvc.yaml`` (its outputs are declared there)."""
-    from dvclive import Live  # imports DVC: only when a stage logs
-
-    return Live(str(directory), dvcyaml=None, save_dvc_exp=False, report=None)
 
 
 class Monitor:
