@@ -5,7 +5,7 @@
 #   bench/sweep.sh [SEEDS...]        # default seeds: 0 1 2 (4 strategies x 3 seeds = 12 runs)
 #
 # Each experiment reruns plan -> train -> evaluate only (the target and data are shared).
-# On 2 CPU cores one run takes ~5 minutes; `dvc queue start -j 1` runs them one at a time.
+# On 2 CPU cores one run takes ~3 minutes; `dvc queue start -j 1` runs them one at a time.
 set -euo pipefail
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
@@ -16,6 +16,7 @@ for s in sorted shuffle bucketed packed; do
   done
 done
 dvc queue start -j 1
-while dvc queue status | grep -qE 'Queued|Running'; do sleep 30; done
+# grep without -q reads to the end: with pipefail, -q's early exit would end the wait at once
+while dvc queue status | grep -E 'Queued|Running' > /dev/null; do sleep 30; done
 dvc exp show --json > sweep.json
 python bench/sweep_table.py --json sweep.json

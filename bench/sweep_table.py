@@ -34,7 +34,11 @@ COLUMNS: list[tuple[str, str, tuple[str, ...], str]] = [
 
 
 def runs(entries: list[dict]) -> list[dict]:
-    """Every run in ``dvc exp show --json`` as ``{"params": ..., "metrics": {file: data}}``."""
+    """Every finished run in ``dvc exp show --json`` as ``{"params": ..., "metrics": {...}}``.
+
+    A queued, running or failed experiment is left out: DVC shows it with its own params but
+    the metrics of the commit it started from.
+    """
     found: list[tuple[bool, dict]] = []
 
     def visit(entry: dict, is_experiment: bool) -> None:
@@ -44,6 +48,8 @@ def runs(entries: list[dict]) -> list[dict]:
         if params and metrics:
             found.append((is_experiment, {"params": params, "metrics": metrics}))
         for group in entry.get("experiments") or []:
+            if (group.get("executor") or {}).get("state", "success") != "success":
+                continue
             for rev in group.get("revs") or [group]:
                 visit(rev, True)
 

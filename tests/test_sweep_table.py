@@ -73,3 +73,13 @@ def test_table_shows_mean_and_std_per_strategy(shown, tmp_path, capsys):
     packed_row = next(line for line in lines if line.startswith("| packed"))
     assert "| 1 |" in packed_row and "5.50" in packed_row
     assert not any(line.startswith("| shuffle") for line in lines)
+
+
+def test_queued_and_running_experiments_are_left_out(shown):
+    pending = [
+        {**exp("q1", "shuffle", 0, 9.0, 0), "executor": {"state": state}}
+        for state in ("queued", "running", "failed")
+    ]
+    shown[1]["experiments"] += pending
+    strategies = {r["params"]["batching"]["strategy"] for r in sweep_table.runs(shown)}
+    assert "shuffle" not in strategies
