@@ -9,6 +9,7 @@
 set -euo pipefail
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
+base=$(git rev-parse HEAD)  # `dvc exp show` lists only HEAD's experiments: name their baseline
 for s in sorted shuffle bucketed packed; do
   for k in "${seeds[@]}"; do
     dvc exp run --queue -n "sweep-$s-$k" \
@@ -18,5 +19,5 @@ done
 dvc queue start -j 1
 # grep without -q reads to the end: with pipefail, -q's early exit would end the wait at once
 while dvc queue status | grep -E 'Queued|Running' > /dev/null; do sleep 30; done
-dvc exp show --json > sweep.json
+dvc exp show --json --rev "$base" > sweep.json
 python bench/sweep_table.py --json sweep.json
