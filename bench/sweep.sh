@@ -17,7 +17,11 @@ for s in sorted shuffle bucketed packed; do
   done
 done
 dvc queue start -j 1
-# grep without -q reads to the end: with pipefail, -q's early exit would end the wait at once
-while dvc queue status | grep -E 'Queued|Running' > /dev/null; do sleep 30; done
+# The worker can die on a half-written message of kombu's file broker (JSONDecodeError in
+# .dvc/tmp/exps/celery/*.out), leaving runs queued: start one again whenever none runs.
+while status=$(dvc queue status) && grep -qE 'Queued|Running' <<<"$status"; do
+  if ! grep -q Running <<<"$status"; then dvc queue start -j 1; fi
+  sleep 30
+done
 dvc exp show --json --rev "$base" > sweep.json
 python bench/sweep_table.py --json sweep.json
