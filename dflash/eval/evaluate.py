@@ -24,7 +24,7 @@ from dflash.eval.length_loss import loss_by_tercile, sample_loss
 from dflash.eval.live import write_eval_outputs
 from dflash.eval.loops import ends_in_loop
 from dflash.eval.lossless import classify
-from dflash.eval.metrics import acceptance_by_position, summarize_method
+from dflash.eval.metrics import acceptance_by_position, summarize_method, wall_seconds
 from dflash.eval.ngram import NgramProposer
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import (
@@ -116,8 +116,6 @@ def summarize(decodes: Decodes, config: Config, block_size: int, stop_ids) -> di
     runs = {m: summarize_method(decodes.methods[m], decodes.greedy, seed) for m in METHODS}
     dflash = decodes.methods["dflash"]
     tokens = sum(len(o.tokens) for o in dflash)
-    greedy_s = sum(o.prefill_s + o.decode_s for o in decodes.greedy)
-    dflash_s = sum(o.prefill_s + o.decode_s for o in dflash)
     full = sum(f for o in dflash for f in o.full)
     metrics = {
         **runs["dflash"],
@@ -128,8 +126,8 @@ def summarize(decodes: Decodes, config: Config, block_size: int, stop_ids) -> di
         "divergence_margins": sorted(decodes.margins),
         "n_prompts": len(dflash),
         "generated_tokens": tokens,
-        "greedy_tokens_per_s": tokens / max(greedy_s, 1e-9),
-        "dflash_tokens_per_s": tokens / max(dflash_s, 1e-9),
+        "greedy_tokens_per_s": tokens / max(wall_seconds(decodes.greedy), 1e-9),
+        "dflash_tokens_per_s": tokens / max(wall_seconds(dflash), 1e-9),
         "baselines": {
             m: {
                 **{k: runs[m][k] for k in ("acceptance_length", "acceptance_length_pooled")},

@@ -19,8 +19,9 @@ from collections.abc import Iterator
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.masking_utils import AttentionMaskInterface
+
+from dflash.model.attention import document_starts
 
 NAME = "dflash_documents"
 
@@ -29,17 +30,17 @@ Spans = list[list[tuple[int, int]]]
 
 
 def document_spans(document_ids: Tensor) -> Spans:
-    """The documents of each row as ``(start, end)`` slices; padding (id -1) belongs to none."""
+    """The documents of each row as ``(start, end)`` slices; padding (id -1) belongs to none.
+
+    A document is a run of equal ids, as :func:`~dflash.model.attention.document_starts`
+    finds them; its span ends after its last position.
+    """
+    T = document_ids.shape[1]
     spans: Spans = []
-    for row in document_ids.tolist():
-        row_spans: list[tuple[int, int]] = []
-        start = 0
-        for t in range(1, len(row) + 1):
-            if t == len(row) or row[t] != row[start]:
-                if row[start] >= 0:
-                    row_spans.append((start, t))
-                start = t
-        spans.append(row_spans)
+    starts_of = document_starts(document_ids).tolist()
+    for ids, starts in zip(document_ids.tolist(), starts_of, strict=True):
+        ends = [t for t in range(T) if t + 1 == T or starts[t + 1] != starts[t]]
+        spans.append([(starts[t], t + 1) for t in ends if ids[t] >= 0])
     return spans
 
 
@@ -60,8 +61,7 @@ def attention(
     windows and the (absent) mask are ignored: the target is frozen and in eval mode, and the
     former block-diagonal mask ignored sliding windows as well.
     """
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    gqa = query.shape[1] != key.shape[1]
     out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     for r, spans in enumerate(document_spans):
         for start, end in spans:
@@ -71,6 +71,7 @@ def attention(
                 value[r : r + 1, :, start:end],
                 is_causal=True,
                 scale=scaling,
+                enable_gqa=gqa,
             )
             out[r, start:end] = o[0].transpose(0, 1)
     return out, None

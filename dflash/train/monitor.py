@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -63,8 +62,9 @@ class Monitor:
             )
 
     def step(self, result: dict[str, Any]) -> None:
-        """Record one optimizer step's loss and grad norm (finite steps only)."""
-        if not (result["finite"] and math.isfinite(result["grad_norm"])):
+        """Record one optimizer step's loss and grad norm (finite steps only: ``finite`` covers
+        the loss and the grad norm alike)."""
+        if not result["finite"]:
             return
         losses = self.history["loss"]
         losses.append(result["loss"])
