@@ -1,4 +1,4 @@
-"""DVC stage `ingest`: parses --params/--set and calls the library (see dflash.cli.STAGES)."""
+"""DVC stage `ingest`: parses --params/--set and calls the library (declared in dvc.yaml)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage `plan`: parses --params/--set and calls the library (see dflash.cli.STAGES)."""
+"""DVC stage `plan`: parses --params/--set and calls the library (declared in dvc.yaml)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage `target`: parses --params/--set and calls the library (see dflash.cli.STAGES)."""
+"""DVC stage `target`: parses --params/--set and calls the library (declared in dvc.yaml)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""DVC stage `train`: parses --params/--set and calls the library (see dflash.cli.STAGES)."""
+"""DVC stage `train`: parses --params/--set and calls the library (declared in dvc.yaml)."""
 
 import sys
 

@@ -23,7 +23,7 @@ import yaml
 from conftest import TINY_PARAMS, tiny_corpus
 from declaration import ROOT, readers_of
 
-from dflash.cli import STAGES
+from dflash.declaration import stages
 
 CORPUS = "data/raw/corpus.jsonl"
 TINY = {
@@ -99,7 +99,7 @@ def param_edit(key: str, value) -> tuple[str, str]:
 
 def params_readers(key: str) -> set[str]:
     section = key.split(".")[0]
-    return {n for n, s in STAGES.items() if key in s.params or section in s.params} - {"report"}
+    return {n for n, s in stages().items() if key in s.params or section in s.params} - {"report"}
 
 
 def main() -> None:
@@ -128,7 +128,12 @@ def main() -> None:
         if stale(repo):
             sys.exit(f"dvc status after dvc repro: {sorted(stale(repo))} still changed")
         print(f"ok  dvc repro, then dvc status clean ({time.perf_counter() - began:.0f} s)")
-        for module in ("dflash/paths.py", "dflash/batching/io.py", "dflash/model/generate.py"):
+        for module in (
+            "dflash/paths.py",
+            "dflash/batching/io.py",
+            "dflash/model/generate.py",
+            "dflash/report.py",
+        ):
             change = appended(repo, module, "\n# ci\n")
             expect(repo, f"comment in {module}", change, readers_of(module))
         expect(repo, f"a line of {CORPUS}", appended(repo, CORPUS, "\n"), {"ingest"})

@@ -18,7 +18,7 @@ import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import run_stage
-from dflash.config import load_config
+from dflash.params import load_config
 
 torch.set_num_threads(1)
 

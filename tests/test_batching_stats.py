@@ -13,7 +13,7 @@ from dflash.batching.plan import run as plan_run
 from dflash.batching.stats import describe, main
 from dflash.batching.stats import run as stats_run
 from dflash.batching.validate import validate_plans
-from dflash.config import from_dict
+from dflash.params import from_dict
 from dflash.paths import PLAN_METRICS
 
 

@@ -12,8 +12,8 @@ from conftest import run_stages
 from safetensors.torch import load_file
 
 from dflash import paths
-from dflash.config import load_config
 from dflash.model.export import export_drafter
+from dflash.params import load_config
 from dflash.train import checkpoint
 
 ONE_PROCESS = ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1000"]

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.config import ConfigError, load_config
+from dflash.errors import ConfigError
+from dflash.params import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,3 +141,32 @@ def test_out_of_domain_values_exit_2_through_the_cli(tmp_path, override, key):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert key in proc.stderr
     assert "must" in proc.stderr or "finite" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            "batching:\n  strategy: packed\nbatching:\n  seed: 1\n",
+            ["params.yaml", "line 3", "'batching'", "twice"],
+        ),
+        ("train:\n  lr: 1.0e-3\n  lr: 2.0e-3\n", ["params.yaml", "line 3", "'lr'", "twice"]),
+        (b"data:\n  source: caf\xe9.jsonl\n", ["params.yaml", "not UTF-8"]),
+        ("batching:\n  max_batch_size: " + str(10**29) + "\n", ["batching.max_batch_size", "<="]),
+        ("batching:\n  token_budget: " + str(10**29) + "\n", ["batching.token_budget", "<="]),
+    ],
+)
+def test_hostile_params_files_exit_2_with_the_key(tmp_path, text, words):
+    """A key given twice, bytes that are not UTF-8 and integers beyond 32 bits: exit 2 naming
+    where, never the last key silently winning, a traceback or an overflow later."""
+    path = tmp_path / "params.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    proc = cli(tmp_path, "plan")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in proc.stderr
+
+
+def test_a_key_twice_in_an_override_value_is_refused():
+    with pytest.raises(ConfigError, match="twice"):
+        load_config(None, ["batching.boundaries={a: 1, a: 2}"])

@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash import paths
-from dflash.config import Config, DataConfig, DrafterConfig, TokenizerConfig
+from dflash.config import (
+    Config,
+    DataConfig,
+    DrafterConfig,
+    EvaluateConfig,
+    RegenerateConfig,
+    TokenizerConfig,
+)
 from dflash.data import ingest, tokenize, tokenizer
 from dflash.data.chat import ChatTemplateError, encode_conversation, encode_conversations
 from dflash.data.conversations import SCHEMA
@@ -234,6 +241,9 @@ def stage_config(source, vocab_size=300, **data) -> Config:
         data=DataConfig(source=str(source), **data),
         tokenizer=TokenizerConfig(vocab_size=vocab_size),
         drafter=DrafterConfig(block_size=2),
+        # Params are checked across sections when built: answers must fit max_seq_len.
+        regenerate=RegenerateConfig(max_new_tokens=16),
+        evaluate=EvaluateConfig(max_new_tokens=16),
     )
 
 

@@ -2,29 +2,35 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
-from declaration import ROOT, closure, code_deps, covers, dvc_stages, stage_script
+from declaration import ROOT, code_deps, covers, dvc_stages, stage_closure
 
-from dflash.cli import STAGES, run_stage
-from dflash.config import Config, UndeclaredParamError, load_config
+from dflash import closure
+from dflash.cli import resolve, run_stage
+from dflash.config import Config
+from dflash.declaration import declared_params, restrict, stages
+from dflash.errors import UndeclaredParamError
+from dflash.params import load_config
 
-PIPELINE = [name for name in STAGES if name != "report"]
+PIPELINE = sorted(dvc_stages())
 
 
-def test_every_stage_is_declared_once_in_both_places():
-    assert sorted(dvc_stages()) == sorted(PIPELINE)
+def test_every_stage_has_an_entry_and_a_command():
+    assert sorted(stages()) == sorted([*PIPELINE, "report"])
+    for name in stages():
+        assert callable(resolve(name)), name
 
 
 @pytest.mark.parametrize("name", PIPELINE)
 def test_deps_cover_the_import_closure(name):
     stage = dvc_stages()[name]
     deps = code_deps(stage)
-    modules = closure(stage_script(stage), name)
+    modules = stage_closure(name)
     missing = sorted(str(m) for m in modules if not any(covers(d, m) for d in deps))
     assert not missing, f"stage {name}: dvc.yaml misses {missing}"
     unused = sorted(d for d in deps if not any(covers(d, m) for m in modules))
@@ -32,20 +38,19 @@ def test_deps_cover_the_import_closure(name):
 
 
 @pytest.mark.parametrize("name", PIPELINE)
-def test_params_are_the_declared_ones(name):
-    declared = STAGES[name]
-    in_dvc = dvc_stages()[name].get("params", [])
-    assert sorted(in_dvc) == sorted(declared.params)
-    assert not set(declared.knobs) & set(in_dvc), "a knob would rerun the stage"
+def test_params_and_knobs_name_real_params_and_never_overlap(name):
+    declared = stages()[name]
+    assert declared.params == tuple(dvc_stages()[name].get("params", []))
+    assert not set(declared.knobs) & set(declared.params), "a knob would rerun the stage"
     for key in declared.params + declared.knobs:
         node = Config()
         for part in key.split("."):
-            assert dataclasses.is_dataclass(node) and hasattr(node, part), f"{name}: no {key}"
+            assert part in type(node).model_fields, f"{name}: no {key}"
             node = getattr(node, part)
 
 
 def test_train_declares_only_what_changes_its_outputs():
-    params = STAGES["train"].params
+    params = stages()["train"].params
     for knob in ("train.checkpoint_every", "train.num_workers", "train.prefetch", "logging"):
         assert not any(
             p == knob or p.startswith(knob + ".") for p in params if p != "logging.every"
@@ -66,17 +71,73 @@ def test_a_read_of_an_undeclared_param_is_an_error(monkeypatch):
     assert seen["source"] == "chitchat"
 
 
-def test_a_whole_section_allows_its_keys_and_to_dict_shows_only_declared():
-    from dflash.config import restrict
-
-    view = restrict(load_config(None), ("tokenizer", "data.max_seq_len"), "x")
+def test_a_whole_section_allows_its_keys_and_declared_params_shows_only_those():
+    view = restrict(load_config(None), ("tokenizer", "data.max_seq_len"))
+    assert isinstance(view, Config)
     assert view.tokenizer.vocab_size == 4096 and view.data.max_seq_len == 1024
-    assert view.to_dict() == {
+    assert declared_params(view) == {
         "tokenizer": {"path": None, "vocab_size": 4096},
         "data": {"max_seq_len": 1024},
     }
     with pytest.raises(UndeclaredParamError):
         _ = view.data.source
+
+
+def _runtime_graph() -> dict[str, set[str]]:
+    modules = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / "dflash").rglob("*.py")
+    }
+    return {name: closure.direct_imports(path) - {name} for name, path in modules.items()}
+
+
+def test_no_import_cycle_in_the_package():
+    graph, state, cycles = _runtime_graph(), {}, []
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append([*trail[trail.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, cycles
+
+
+def test_the_library_never_imports_the_command_line():
+    floors = ("dflash.data", "dflash.model", "dflash.batching", "dflash.train", "dflash.eval")
+    upward = {
+        name
+        for name, imports in _runtime_graph().items()
+        if name.startswith(floors) and "dflash.cli" in imports
+    }
+    assert not upward, upward
+
+
+def test_a_docstring_edit_outside_a_closure_keeps_checkpoints_valid(tmp_path, monkeypatch):
+    """Training checkpoints fingerprint the train stage's closure: report.py is not in it, so
+    an edit there resumes; an edit in the training loop does not."""
+    from dflash.train.checkpoint import run_fingerprint
+
+    shutil.copytree(ROOT / "dflash", tmp_path / "repo" / "dflash")
+    monkeypatch.setattr(closure, "ROOT", tmp_path / "repo")
+    monkeypatch.chdir(tmp_path)
+    config = load_config(ROOT / "params.yaml")
+    before = run_fingerprint(config)
+
+    def edit(module: str) -> None:
+        path = tmp_path / "repo" / module
+        path.write_text('"""An edited docstring."""\n' + path.read_text())
+
+    edit("dflash/report.py")
+    assert run_fingerprint(config) == before
+    edit("dflash/train/loop.py")
+    assert run_fingerprint(config) != before
 
 
 def test_no_stage_script_shadows_a_module():
@@ -109,7 +170,7 @@ def test_file_names_live_in_paths():
 
 
 def test_declaration_helper_sees_lazy_imports():
-    modules = closure(stage_script(dvc_stages()["train"]), "train")
+    modules = stage_closure("train")
     assert Path("dflash/train/loop.py") in modules  # imported inside launch.run
 
 

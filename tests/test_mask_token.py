@@ -11,8 +11,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from dflash import paths
-from dflash.config import Config, ConfigError, DrafterConfig, TokenizerConfig, load_config
+from dflash.config import Config, DrafterConfig, TokenizerConfig
 from dflash.data import tokenizer as tok
+from dflash.errors import ConfigError
+from dflash.params import load_config
 
 RESERVED = "<|reserved_special_token_0|>"
 

@@ -14,7 +14,7 @@ from dflash.data import regenerate
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.regenerate import answer_turns
 from dflash.data.tokenizer import IM_END, load_tokenizer
-from dflash.model.target import load_target
+from dflash.model.load import load_target
 from dflash.paths import REGENERATE_REPORT as REPORT
 from dflash.paths import REGENERATED_SHARDS as SHARDS
 

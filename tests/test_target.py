@@ -13,8 +13,8 @@ from transformers import Qwen3ForCausalLM
 
 from dflash import paths
 from dflash.data.tokenizer import load_tokenizer
+from dflash.model.load import load_target, resolve_target_path
 from dflash.model.pretrain import IGNORE, encode_windows, pack
-from dflash.model.target import load_target, resolve_target_path
 
 PRETRAIN = ["target.pretrain_epochs=3", "target.pretrain_batch_tokens=384"]
 

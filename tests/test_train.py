@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import read_plan_meta, read_rank_plan
-from dflash.config import load_config
 from dflash.data.store import TokenStore
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.target import load_target
+from dflash.model.load import load_target
+from dflash.params import load_config
 from dflash.train.batches import build_micro_batch
 from dflash.train.plan_check import check_plan
 from dflash.train.step import micro_batch_loss

@@ -1,8 +1,15 @@
-"""Errors of the batching library: each names the bad input, all are ``ValueError``s."""
+"""Errors of the batching library: each names the bad input, all are ``BatchingError``s."""
 
+from dflash.errors import BatchingError
 
-class BatchingError(ValueError):
-    """Base class: the lengths or params cannot give a valid plan."""
+__all__ = [
+    "BatchingError",
+    "BudgetTooSmallError",
+    "EmptyLengthsError",
+    "InvalidPlanError",
+    "SampleTooLongError",
+    "TooFewMicroBatchesError",
+]
 
 
 class EmptyLengthsError(BatchingError):

@@ -27,9 +27,9 @@ from dflash.batching.metrics import epoch_metrics, overall
 from dflash.batching.params import PlanParams
 from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import validate_plans
-from dflash.cli import at_least
 from dflash.config import Config
 from dflash.fileio import atomic_dir, require_only, write_json_atomic
+from dflash.params import at_least
 
 
 def plan_epoch(lengths: np.ndarray, params: PlanParams, epoch: int) -> pa.Table:

@@ -23,9 +23,9 @@ from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import structure
 from dflash.batching.params import PlanParams
 from dflash.batching.plan import plan_epoch
-from dflash.cli import at_least
 from dflash.config import Config
 from dflash.fileio import atomic_dir, require_only, write_json_atomic
+from dflash.params import at_least
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)

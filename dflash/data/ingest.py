@@ -23,10 +23,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash import paths
-from dflash.config import Config, ConfigError
+from dflash.config import Config
 from dflash.data.chitchat import load_chitchat
 from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, open_parquet
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
+from dflash.errors import ConfigError
 from dflash.fileio import atomic_dir, write_json_atomic
 
 FIRST_LINES = 5

@@ -12,7 +12,6 @@ or data.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import time
@@ -23,6 +22,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash import paths
+from dflash.closure import code_digest
 from dflash.config import Config, RegenerateConfig
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import (
@@ -30,10 +30,10 @@ from dflash.data.conversations import (
     read_conversations,
     write_conversations,
 )
-from dflash.data.tokenizer import IM_END, load_tokenizer
+from dflash.data.tokenizer import load_tokenizer, stop_token_ids
 from dflash.fileio import atomic_path, write_json_atomic
 from dflash.fingerprint import digest, path_digest
-from dflash.model.target import load_target, target_device_dtype
+from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
 
@@ -41,31 +41,18 @@ COUNTS = ("turns", "outside_window", "tokens_generated", "empty_responses", "unt
 """Per-shard counts, summed into the report whether a shard was made now or resumed."""
 
 
-SOURCES = (Path(__file__), Path(__file__).with_name("chat.py"))
-"""The code that shapes a shard (this module, the chat template renderer): a fix to it must
-invalidate shards made before it."""
-
-
 def fingerprint(config: Config, device: torch.device) -> str:
     """What a shard's content depends on: params, device, target, tokenizer, input data, code."""
     parts = {
-        "regenerate": dataclasses.asdict(config.regenerate),
+        "regenerate": config.regenerate.model_dump(),
         "max_seq_len": config.data.max_seq_len,
         "device": device.type,
         "target": path_digest(paths.TARGET),
         "tokenizer": path_digest(paths.TOKENIZER),
         "conversations": path_digest(paths.CONVERSATIONS),
-        "code": {source.name: path_digest(source) for source in SOURCES},
+        "code": code_digest(__name__),  # a fix to what shapes a shard invalidates it
     }
     return digest(parts)[:16]
-
-
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """End-of-turn tokens: ``<|im_end|>`` when the vocabulary has it, and the eos token."""
-    ids = {tokenizer.eos_token_id}
-    if IM_END in tokenizer.get_vocab():
-        ids.add(tokenizer.convert_tokens_to_ids(IM_END))
-    return sorted(i for i in ids if i is not None)
 
 
 def generation_config(

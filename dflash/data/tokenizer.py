@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from dflash import paths
 from dflash.config import Config
@@ -163,3 +163,11 @@ def run(config: Config) -> None:
         write_json_atomic(out / paths.TOKENIZER_INFO, info)
     mask = f"{tokenizer.mask_token} id {tokenizer.mask_token_id}"
     print(f"tokenizer: {source}, {len(tokenizer)} tokens, mask {mask}")
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """End-of-turn tokens: ``<|im_end|>`` when the vocabulary has it, and the eos token."""
+    ids = {tokenizer.eos_token_id}
+    if IM_END in tokenizer.get_vocab():
+        ids.add(tokenizer.convert_tokens_to_ids(IM_END))
+    return sorted(i for i in ids if i is not None)

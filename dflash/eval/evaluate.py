@@ -18,8 +18,7 @@ import torch
 from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
-from dflash.data.regenerate import stop_token_ids
-from dflash.data.tokenizer import load_tokenizer
+from dflash.data.tokenizer import load_tokenizer, stop_token_ids
 from dflash.eval.length_loss import loss_by_tercile, sample_loss
 from dflash.eval.live import write_eval_outputs
 from dflash.eval.loops import ends_in_loop
@@ -33,7 +32,7 @@ from dflash.model.generate import (
     greedy_decode,
     speculative_generate,
 )
-from dflash.model.target import load_target
+from dflash.model.load import load_target
 from dflash.progress import progress_bar
 
 METHODS = ("dflash", "ngram", "untrained")

@@ -41,30 +41,52 @@ def decay_weights(block_size: int, gamma: float) -> Tensor:
     return weights.float()
 
 
-def block_labels(
-    input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, block_size: int
-) -> tuple[Tensor, Tensor]:
-    """Labels ``[R, A, bs]`` (``input_ids[p + k]``) and where they count.
+def _gather_blocks(x: Tensor, anchors: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """``x[p + k]`` for every anchor ``p`` and slot ``k`` (clamped into the row), and ``p + k``."""
+    positions = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)
+    safe = positions.clamp(0, x.shape[1] - 1).flatten(1)
+    return x.gather(1, safe).view(positions.shape), positions
+
+
+def label_counts(
+    loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, block_size: int
+) -> Tensor:
+    """``[R, A, bs]`` bool: where a block label counts.
 
     A label counts iff the anchor is real, ``k >= 1``, ``p + k`` is inside the row and in the
     anchor's document, and the loss mask covers it.
     """
-    T = input_ids.shape[1]
-    positions = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)
-    safe = positions.clamp(0, T - 1).flatten(1)
-
-    def gather(x: Tensor) -> Tensor:
-        return x.gather(1, safe).view(positions.shape)
-
+    docs, positions = _gather_blocks(document_ids, anchors, block_size)
+    masked, _ = _gather_blocks(loss_mask.bool(), anchors, block_size)
     anchor_doc = document_ids.gather(1, anchors.clamp(min=0))[:, :, None]
-    counts = (
+    return (
         (anchors[:, :, None] >= 0)
         & (positions > anchors[:, :, None])
-        & (positions < T)
-        & (gather(document_ids) == anchor_doc)
-        & gather(loss_mask.bool())
+        & (positions < document_ids.shape[1])
+        & (docs == anchor_doc)
+        & masked
     )
-    return gather(input_ids), counts
+
+
+def block_labels(
+    input_ids: Tensor, loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Labels ``[R, A, bs]`` (``input_ids[p + k]``: same position, no shift) and where they
+    count (``label_counts``)."""
+    labels, _ = _gather_blocks(input_ids, anchors, block_size)
+    return labels, label_counts(loss_mask, document_ids, anchors, block_size)
+
+
+def label_weights(
+    loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, block_size: int, gamma: float
+) -> Tensor:
+    """``[R, A, bs]`` float32: each block label's decay weight where it counts, else 0.
+
+    The one home of the rule: the objective weighs its loss with these, and the data loader
+    sums them ahead of the forward (``MicroBatch.weight_sum``) to normalise the loss.
+    """
+    counts = label_counts(loss_mask, document_ids, anchors, block_size)
+    return decay_weights(block_size, gamma).to(counts.device) * counts
 
 
 def _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, features) -> None:
@@ -181,7 +203,7 @@ def dflash_objective(
 
     labels, counts = block_labels(input_ids, loss_mask, document_ids, anchors, bs)
     slots = slot.expand_as(labels)[counts]
-    weights = decay_weights(bs, gamma).to(hidden.device)[slots]
+    weights = label_weights(loss_mask, document_ids, anchors, bs, gamma)[counts]
     loss_sum, hits = ChunkedHeadLoss.apply(hidden[counts], *drafter.head(), labels[counts], weights)
     return ObjectiveOutput(
         loss_sum=loss_sum,

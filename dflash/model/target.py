@@ -1,26 +1,26 @@
-"""The target stage and the one way every later stage loads the frozen target.
+"""The target stage: pretrain the tiny default, or check and reference a real target.
 
 ``target.path`` set: a real Hugging Face causal LM. It is loaded once to check it works and
 ``models/target/`` records only a reference to it (path, config summary, config hash), so
 an 8B model is never copied into the pipeline's outputs. ``target.path`` null: the tiny
-default Qwen3 is pretrained here (see ``dflash.model.pretrain``) and saved in full.
+default Qwen3 is pretrained here (see ``dflash.model.pretrain``) and saved in full. Later
+stages load the result through ``dflash.model.load``, which knows nothing of pretraining.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.fileio import atomic_dir, remove_files, write_json_atomic
-from dflash.fingerprint import digest, path_digest
+from dflash.fingerprint import digest
+from dflash.model.load import load_target
 from dflash.model.pretrain import (
     build_tiny_target,
     encode_windows,
@@ -32,45 +32,6 @@ from dflash.threads import set_cpu_threads
 
 REFERENCE_EVAL_ROWS = 64
 """Held-out rows of ``max_seq_len`` a referenced (possibly huge) target is scored on."""
-
-
-def target_device_dtype() -> tuple[torch.device, torch.dtype]:
-    """bf16 on CUDA, where the target's matmuls are fast in it; fp32 on CPU, where it is not."""
-    if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
-
-
-def resolve_target_path(path_or_dir: str | Path) -> str:
-    """The model directory (or hub id) behind ``path_or_dir``, following a reference file."""
-    reference = Path(path_or_dir) / paths.TARGET_REFERENCE
-    if reference.is_file():
-        return json.loads(reference.read_text())["path"]
-    return str(path_or_dir)
-
-
-def load_target(
-    path_or_dir: str | Path, device: torch.device | str | None = None
-) -> PreTrainedModel:
-    """Load the target frozen and in eval mode, in the dtype that suits ``device``."""
-    device = torch.device(device) if device is not None else target_device_dtype()[0]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_target_path(path_or_dir), dtype=dtype, local_files_only=True
-    )
-    model.to(device)
-    model.requires_grad_(False)
-    model.eval()
-    return model
-
-
-def target_digest(directory: Path) -> str:
-    """Digest of the target's files; for a reference, of the local model it points to too."""
-    parts = {"directory": path_digest(directory)}
-    resolved = Path(resolve_target_path(directory))
-    if resolved != directory and resolved.exists():
-        parts["referenced"] = path_digest(resolved)
-    return digest(parts)
 
 
 def config_hash(model: PreTrainedModel) -> str:

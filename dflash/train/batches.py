@@ -17,7 +17,7 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import Row
 from dflash.data.store import TokenStore
 from dflash.model.anchors import sample_anchors
-from dflash.model.objective import decay_weights
+from dflash.model.objective import label_weights
 
 
 @dataclass
@@ -63,9 +63,6 @@ def build_micro_batch(
     document_ids = np.full((n_rows, width), -1, dtype=np.int64)
     position_ids = np.zeros((n_rows, width), dtype=np.int64)
     row_anchors: list[np.ndarray] = []
-    # The objective's own weights (float32, as it applies them), summed in float64.
-    weights = decay_weights(block_size, gamma).double().numpy()
-    weight_sum = 0.0
     real_tokens = 0
     for r, row in enumerate(rows):
         anchors = []
@@ -83,10 +80,6 @@ def build_micro_batch(
             position_ids[r, span] = np.arange(length)
             rng = np.random.default_rng([seed, epoch, sample_id])
             picked = sample_anchors(mask, block_size, anchors_per_sequence, rng)
-            # The weights the objective will give these anchors' labels (same-position,
-            # slot 0 excluded, masked by the loss mask); anchors never cross the document end.
-            windows = mask.astype(np.float64)[picked[:, None] + np.arange(block_size)]
-            weight_sum += float((windows * weights).sum())
             anchors.append(picked + offset)
             real_tokens += length
         row_anchors.append(np.concatenate(anchors) if anchors else np.zeros(0, np.int64))
@@ -94,13 +87,17 @@ def build_micro_batch(
     anchor_tensor = np.full((n_rows, n_anchors), -1, dtype=np.int64)
     for r, a in enumerate(row_anchors):
         anchor_tensor[r, : len(a)] = a
+    loss_mask_t, document_ids_t = torch.from_numpy(loss_mask), torch.from_numpy(document_ids)
+    anchors_t = torch.from_numpy(anchor_tensor)
+    # The objective's own float32 weights, summed in float64 (exact: they are few bits wide).
+    weights = label_weights(loss_mask_t, document_ids_t, anchors_t, block_size, gamma)
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
-        loss_mask=torch.from_numpy(loss_mask),
-        document_ids=torch.from_numpy(document_ids),
+        loss_mask=loss_mask_t,
+        document_ids=document_ids_t,
         position_ids=torch.from_numpy(position_ids),
-        anchors=torch.from_numpy(anchor_tensor),
-        weight_sum=weight_sum,
+        anchors=anchors_t,
+        weight_sum=float(weights.double().sum()),
         real_tokens=real_tokens,
         padded_tokens=n_rows * width,
         n_samples=sum(len(row) for row in rows),

@@ -18,19 +18,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-import dflash
 from dflash import paths
-from dflash.cli import STAGES
-from dflash.config import Config, restrict, unwrap
+from dflash.closure import code_digest
+from dflash.config import Config
+from dflash.declaration import declared_params, restrict, stages
 from dflash.fileio import atomic_path, remove_files, sha256_file, write_text_atomic
 from dflash.fingerprint import digest, path_digest
-from dflash.model.target import target_digest
+from dflash.model.load import target_digest
 from dflash.train.distributed import barrier
 
 if TYPE_CHECKING:
     from dflash.train.loop import Trainer
-
-PACKAGE = Path(dflash.__file__).parent
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
@@ -112,10 +110,10 @@ def run_fingerprint(config: Config) -> str:
 
     Contents, not counts: a tokenizer fix that keeps every length changes the token store's
     bytes and so the fingerprint. The params are the ones ``train`` declares (its knobs
-    change no weight); the code is the whole package, since any module may shape a step.
+    change no weight); the code is the train stage's import closure (``dflash.closure``).
     """
-    params = restrict(unwrap(config), STAGES["train"].params, "train").to_dict()
-    code = sorted(PACKAGE.rglob("*.py"))
+    declared = stages()["train"]
+    params = declared_params(restrict(config, declared.params))
     return digest(
         {
             "params": params,
@@ -123,7 +121,7 @@ def run_fingerprint(config: Config) -> str:
             "plans": path_digest(paths.PLANS),
             "target": target_digest(paths.TARGET),
             "tokenizer": path_digest(paths.TOKENIZER),
-            "code": {str(p.relative_to(PACKAGE)): sha256_file(p) for p in code},
+            "code": code_digest(declared.module),
         }
     )
 

@@ -7,7 +7,6 @@ temporary file, so ``--set`` overrides reach every rank.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from dflash.config import Config, unwrap
+from dflash.config import Config
+from dflash.declaration import whole
 from dflash.train.distributed import launched_by_torchrun
 
 
@@ -25,7 +25,7 @@ def run(config: Config) -> int:
 
         train(config)
         return 0
-    plain = json.loads(json.dumps(unwrap(config).to_dict()))
+    plain = whole(config).model_dump(mode="json")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(plain, f)
     params = Path(f.name)
@@ -36,7 +36,8 @@ def run(config: Config) -> int:
         "--standalone",
         f"--nproc_per_node={config.train.world_size}",
         "-m",
-        "dflash.train.launch",
+        "dflash.cli",
+        "train",
         "--params",
         str(params),
     ]
@@ -44,9 +45,3 @@ def run(config: Config) -> int:
         return subprocess.call(cmd)
     finally:
         params.unlink(missing_ok=True)
-
-
-if __name__ == "__main__":
-    from dflash.cli import stage_main
-
-    sys.exit(stage_main("train"))

@@ -27,7 +27,7 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import write_json_atomic
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
-from dflash.model.target import load_target
+from dflash.model.load import load_target
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
 from dflash.train.batches import MicroBatch, StepDataset, make_loader

@@ -15,6 +15,7 @@ from typing import Any
 
 from dflash import paths
 from dflash.config import Config
+from dflash.declaration import declared_params
 from dflash.fileio import write_text_atomic
 from dflash.live import open_live
 from dflash.train.stability import is_spike, stability
@@ -57,7 +58,7 @@ class Monitor:
             self.run = wandb.init(
                 project=config.logging.project,
                 mode=config.logging.wandb,
-                config=config.to_dict(),
+                config=declared_params(config),
                 dir=os.environ.get("WANDB_DIR", "."),
             )
 

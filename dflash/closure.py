@@ -1,0 +1,97 @@
+"""The one answer to "what code does this output depend on?": a module's import closure.
+
+Read from the source (``ast``), imports inside functions included, so what a stage imports
+lazily counts too; imports under ``if TYPE_CHECKING:`` run nothing and are left out, as are
+package ``__init__.py`` files holding only a docstring. Three uses share it: the training
+checkpoint fingerprint, regenerate's shard fingerprint, and the test that ``dvc.yaml``'s deps
+cover each stage's imports. An edit to a module outside a closure changes nothing of it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from dflash.fileio import sha256_file
+from dflash.fingerprint import digest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "dflash"
+
+
+def module_file(name: str) -> Path | None:
+    """``dflash.a.b`` -> its file under ROOT, or None when it is not a module of the project."""
+    base = ROOT / Path(*name.split("."))
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+        if path.is_file():
+            return path
+    return None
+
+
+def direct_imports(path: Path) -> set[str]:
+    """Project modules that running ``path`` imports (at top level or inside functions)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    if path.name != "__init__.py":
+        package = package.rpartition(".")[0]
+    names: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            names |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] == PACKAGE:
+            # Importing a.b.c runs a/__init__.py and a/b/__init__.py too.
+            found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return {name for name in found if module_file(name) is not None}
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except the bodies of ``if TYPE_CHECKING:`` blocks."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        todo += ast.iter_child_nodes(node)
+
+
+def closure(*starts: Path) -> frozenset[Path]:
+    """Project files (relative to ROOT) that running ``starts`` can execute."""
+    seen: set[Path] = set()
+    todo = [ROOT / start for start in starts]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        todo += [module_file(name) for name in direct_imports(path)]
+    return frozenset(p.relative_to(ROOT) for p in seen if not _docstring_only(p))
+
+
+def module_closure(module: str) -> frozenset[Path]:
+    """``closure`` of a module named like ``dflash.train.launch``."""
+    path = module_file(module)
+    if path is None:
+        raise ModuleNotFoundError(f"{module} is no module of the project", name=module)
+    return closure(path.relative_to(ROOT))
+
+
+def code_digest(module: str) -> str:
+    """SHA-256 over the files of ``module``'s closure, by path: what its outputs depend on."""
+    return digest({str(p): sha256_file(ROOT / p) for p in sorted(module_closure(module))})
+
+
+def _docstring_only(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return path.name == "__init__.py" and all(
+        isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body
+    )

@@ -1,0 +1,22 @@
+"""Errors a user fixes, shared by every floor of the package (it imports nothing of ours).
+
+The command line turns a ``UserError`` into its message and exit status 2, with no traceback:
+a bad param, an input file that is missing or malformed, a stage to run first.
+"""
+
+
+class UserError(Exception):
+    """Base class: the message says what to change; the command exits 2."""
+
+
+class ConfigError(UserError, ValueError):
+    """A parameter is unknown or has a value outside what is allowed."""
+
+
+class BatchingError(UserError, ValueError):
+    """The lengths or params cannot give a valid plan (subclasses in ``dflash.batching.errors``)."""
+
+
+class UndeclaredParamError(RuntimeError):
+    """A stage read a param that ``dvc.yaml`` does not declare for it: a bug in the code or the
+    declaration, never the user's, so it is no ``UserError`` and keeps its traceback."""

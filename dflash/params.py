@@ -1,0 +1,194 @@
+"""Loading params: the YAML file, ``--set key=value`` overrides, validation against the schema
+in ``dflash.config`` with errors in the params file's own words, and integer flags.
+
+Strict where YAML is lax: a key given twice at any level (which YAML lets the last one win,
+so a second ``batching:`` section silently drops the first's keys) and a file that is not
+UTF-8 are errors naming where, never a run on half the params or a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from dflash import paths
+from dflash.config import Config, Located
+from dflash.errors import ConfigError
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A ``SafeLoader`` that refuses a mapping holding one key twice."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise ConfigError(
+                    f"{mark.name}: line {mark.line + 1}: key {key!r} is given twice; keep one"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``text`` as YAML (duplicate keys refused); errors name ``where`` and the line."""
+    try:
+        loader = _UniqueKeyLoader(text)
+        loader.name = where
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{where}:{line} not valid YAML ({problem})") from None
+
+
+def read_params_file(path: str | Path) -> dict[str, Any]:
+    """The sections of a params file. Missing, empty or not a mapping is an error: a run on
+    the code's defaults (which differ from the committed ``params.yaml``) is never silent."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"params file {path} does not exist (see the committed params.yaml)")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"params file {path} is not UTF-8 text (byte {err.start}: {err.reason})"
+        ) from None
+    raw = parse_yaml(text, str(path))
+    if not raw:
+        raise ConfigError(f"params file {path} is empty: it must hold the param sections")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {raw!r}")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` (value parsed as YAML, as ``dvc exp run -S`` does)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {item!r}: {part} is not a section")
+    node[leaf] = parse_yaml(value, f"--set {item!r}")
+
+
+def at_least(low: int):
+    """An argparse type for integers >= ``low``: a bad value exits 2 naming flag and bound."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= {low}")
+        return value
+
+    return parse
+
+
+def check_source_location(source: str) -> None:
+    """A file source must lie under ``paths.RAW``, which ``dvc.yaml`` tracks: elsewhere it
+    could change unnoticed. Checked where params load from a file, not in the schema, so code
+    and tests may point a ``DataConfig`` at any file."""
+    if source == "chitchat":
+        return
+    inside = Path(os.path.normpath(source)).parts[: len(paths.RAW.parts)]
+    if Path(source).is_absolute() or Path(*inside) != paths.RAW:
+        raise ConfigError(
+            f"data.source = {source!r}: a file must lie under {paths.RAW}/ (relative path), "
+            "where dvc.yaml tracks it: copy it there and `dvc add` it, or `dvc import-url` it"
+        )
+
+
+def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = ()) -> Config:
+    """Read ``path``, apply ``key=value`` overrides, validate; ``path=None`` = code defaults."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_params_file(path)
+    for item in overrides:
+        apply_override(raw, item)
+    config = from_dict(raw)
+    check_source_location(config.data.source)
+    return config
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Validate plain params; the first problem becomes a ``ConfigError`` naming its key."""
+    # An empty section (every key commented out) reads as None in YAML: all defaults.
+    raw = {name: {} if section is None else section for name, section in raw.items()}
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_describe(err.errors()[0])) from None
+
+
+_RULES = {
+    "int_type": "expected an integer",
+    "int_parsing": "expected an integer",
+    "int_from_float": "expected an integer",
+    "bool_type": "expected true or false",
+    "bool_parsing": "expected true or false",
+    "float_type": "expected a number",
+    "float_parsing": "expected a number",
+    "finite_number": "expected a finite number",
+    "string_type": "expected a string",
+    "string_too_short": "must not be empty: name a token, or null",
+    "model_type": "expected a mapping",
+    "model_attributes_type": "expected a mapping",
+    "tuple_type": "expected a list",
+    "too_short": "expected a list of 2 values",
+    "too_long": "expected a list of 2 values",
+    "list_type": "expected a list",
+}
+
+
+def _describe(error: Any) -> str:
+    """One pydantic error as ``key = value: rule``, in the words of the params file."""
+    key, allowed = _key_of(error["loc"])
+    kind, ctx, value = error["type"], error.get("ctx", {}), error.get("input")
+    if kind == "value_error" and isinstance(ctx.get("error"), Located):
+        return str(ctx["error"])
+    if kind == "extra_forbidden":
+        where = key.rpartition(".")[0] or "top level"
+        return f"unknown key {key} in {where}; allowed: {', '.join(allowed)}"
+    if kind == "literal_error":
+        rule = f"allowed values are {ctx['expected']}"
+    elif kind in ("greater_than_equal", "less_than_equal"):
+        rule = f"must be {'>=' if 'ge' in ctx else '<='} {ctx.get('ge', ctx.get('le'))}"
+    elif kind == "value_error":
+        rule = str(ctx["error"])
+    else:
+        rule = _RULES.get(kind, error["msg"])
+    return f"{key or 'params'} = {value!r}: {rule}"
+
+
+def _key_of(loc: tuple) -> tuple[str, list[str]]:
+    """The dotted key of a pydantic location (union tags dropped), and the names allowed
+    beside its last part (for an unknown key)."""
+    key, model, allowed = "", Config, sorted(Config.model_fields)
+    for part in loc:
+        if isinstance(part, int):
+            key += f"[{part}]"
+        elif model is not None and (part in model.model_fields or part == loc[-1]):
+            allowed = sorted(model.model_fields)
+            key = f"{key}.{part}" if key else str(part)
+            field = model.model_fields.get(part)
+            kind = field.annotation if field else None
+            model = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+    return key, allowed
