@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_qwen3
 
-from dflash.model.document_attention import NAME, document_spans
+from dflash.model.document_attention import NAME, DocumentLayout, tile_keys
 from dflash.model.features import (
     decoder_layers,
     one_document_per_row,
@@ -86,9 +87,36 @@ def test_rows_of_one_document_need_no_mask():
     assert not one_document_per_row(packed_rows()[2])
 
 
-def test_document_spans_skip_padding():
-    assert document_spans(packed_rows()[2]) == [[(0, 9), (9, 19), (19, 24)], [(0, 14), (14, 20)]]
-    assert document_spans(torch.tensor([[0, 0, -1, 1, -1]])) == [[(0, 2), (3, 4)]]
+def dense_rule(docs: torch.Tensor, window: int | None) -> torch.Tensor:
+    """``[R, T, T]``: query i sees key j in its own run of ids, j <= i, within the window."""
+    T = docs.shape[1]
+    i, j = torch.arange(T)[:, None], torch.arange(T)
+    starts = DocumentLayout.of(docs).starts
+    allowed = (starts[:, :, None] == starts[:, None, :]) & (j <= i)
+    return allowed & (j > i - window) if window is not None else allowed
+
+
+@pytest.mark.parametrize("window", [None, 3, 11])
+@pytest.mark.parametrize("tile", [4, 5, 24])
+def test_tiles_gather_exactly_the_keys_each_query_may_see(window, tile):
+    docs = torch.cat([packed_rows()[2], torch.tensor([[0, 0, -1, 1, -1] + [2] * 19])])
+    R, T = docs.shape
+    tiles = tile_keys(DocumentLayout.of(docs).starts, window, tile)
+    n = tiles.keys.shape[0] // R
+    seen = torch.zeros(R, n * tile, R * T, dtype=torch.long)
+    for t in range(R * n):
+        r, first = divmod(t, n)
+        rows = slice(first * tile, (first + 1) * tile)
+        seen[r, rows].index_put_(
+            (torch.arange(tile)[:, None], tiles.keys[t].expand(tile, -1)),
+            tiles.mask[t, 0].long(),
+            accumulate=True,
+        )
+    want = torch.zeros(R, T, R * T, dtype=torch.long)
+    for r in range(R):
+        want[r, :, r * T : (r + 1) * T] = dense_rule(docs[r : r + 1], window)[0].long()
+    assert torch.equal(seen[:, :T], want)  # every visible key once, and nothing else
+    assert tiles.mask.any(dim=-1).all()  # no query sees nothing
 
 
 def test_packed_rows_put_the_attention_kernel_back(target):
@@ -102,3 +130,19 @@ def test_packed_rows_put_the_attention_kernel_back(target):
     finally:
         handle.remove()
     assert ran == [NAME] and target.config._attn_implementation == before
+
+
+def test_a_packed_row_costs_one_attention_call_per_layer(target, monkeypatch):
+    """However many documents a row holds: no loop over documents, one kernel call per layer."""
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    ids, pos, _ = packed_rows()
+    docs = torch.arange(24).div(3, rounding_mode="floor").repeat(2, 1)  # 8 documents a row
+    target_features(target, ids, pos, docs, LAYERS)
+    assert len(calls) == max(LAYERS) + 1

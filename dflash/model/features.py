@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-from dflash.model.document_attention import document_attention, document_spans
+from dflash.model.document_attention import DocumentLayout, document_attention
 
 
 def target_layer_ids(num_layers: int, n: int) -> list[int]:
@@ -97,15 +97,15 @@ def target_features(
         return hook
 
     if one_document_per_row(document_ids):
-        packing, spans = contextlib.nullcontext(), {}
+        packing, layout = contextlib.nullcontext(), {}
     else:
         packing = document_attention(target)
-        spans = {"document_spans": document_spans(document_ids)}
+        layout = {"document_layout": DocumentLayout.of(document_ids)}
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
         with packing:
             target.base_model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, **spans
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **layout
             )
     except _Enough:
         pass
