@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from dflash.batching.errors import BatchingError
 from dflash.config import Config, ConfigError, load_config, restrict
+from dflash.fileio import OutputError
 
 USER_ERRORS = (ConfigError, BatchingError, FileNotFoundError)
 """Errors a user fixes (a param, an input file, a stage to run first): a message and exit 2,
@@ -184,6 +185,9 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
         missing = isinstance(err, FileNotFoundError) and err.filename
         print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)
         return 2
+    except OutputError as err:  # disk full, no permission, read-only: the machine, exit 1
+        print(f"dflash {stage}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
