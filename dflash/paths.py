@@ -7,6 +7,8 @@ from pathlib import Path
 
 RAW = Path("data/raw")
 """User-supplied datasets (``data.source``), tracked by ``dvc add``; a dep of ``ingest``."""
+DVC_CACHE = Path(".dvc/cache")
+"""Where ``dvc add`` with ``cache.type: symlink`` points the files of ``data/raw/``."""
 
 INGESTED = Path("data/ingested")
 CONVERSATIONS = INGESTED / "conversations.parquet"
