@@ -66,6 +66,8 @@ DRAFTER_WEIGHTS = "model.safetensors"
 CHECKPOINTS = Path("checkpoints")
 CHECKPOINT_NAME = "step_{step:08d}.pt"
 CHECKPOINT_GLOB = "step_*.pt"
+TRAIN_LOCK = CHECKPOINTS / "train.lock"
+"""Held (``flock``) by the one training run of a workspace; holds its PID."""
 TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_PLOTS = Path("plots/train")
 TRAIN_LOG = TRAIN_PLOTS / "log.csv"
