@@ -13,7 +13,7 @@ import sys
 
 from dflash.config import Config
 from dflash.declaration import restrict, stages
-from dflash.errors import ConfigError, UserError
+from dflash.errors import ConfigError, OutputError, UserError
 from dflash.params import load_config
 
 
@@ -71,6 +71,9 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
         missing = isinstance(err, FileNotFoundError) and err.filename
         print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)
         return 2
+    except OutputError as err:  # disk full, no permission, read-only: the machine, exit 1
+        print(f"dflash {stage}: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

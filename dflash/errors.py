@@ -1,8 +1,12 @@
-"""Errors a user fixes, shared by every floor of the package (it imports nothing of ours).
+"""Errors shared by every floor of the package (it imports nothing of ours).
 
 The command line turns a ``UserError`` into its message and exit status 2, with no traceback:
-a bad param, an input file that is missing or malformed, a stage to run first.
+a bad param, an input file that is missing or malformed, a stage to run first. An
+``OutputError`` is the machine's fault (disk full, no permission): one line and exit 1.
 """
+
+import errno
+from pathlib import Path
 
 
 class UserError(Exception):
@@ -20,3 +24,15 @@ class BatchingError(UserError, ValueError):
 class UndeclaredParamError(RuntimeError):
     """A stage read a param that ``dvc.yaml`` does not declare for it: a bug in the code or the
     declaration, never the user's, so it is no ``UserError`` and keeps its traceback."""
+
+
+class OutputError(RuntimeError):
+    """An output could not be published for a fault of the machine; the old one is intact."""
+
+    def __init__(self, path: str | Path, err: OSError) -> None:
+        name = errno.errorcode.get(err.errno, str(err.errno))
+        super().__init__(
+            f"cannot write {path}: {name} ({err.strerror or err}); the previous output, "
+            "if any, is left as it was"
+        )
+        self.errno = err.errno

@@ -3,10 +3,17 @@
 Every stage output is written to a temporary file in the same directory and renamed over
 the target (``os.replace`` is atomic within a filesystem), so a run killed mid-write leaves
 no truncated JSON or Parquet for DVC, a resumed run or a trainer to trust.
+
+A fault of the machine while publishing (disk full, permission denied, read-only file system)
+becomes an :class:`OutputError`: one line naming the output and the errno, the old output left
+as it was. An output directory that is a symbolic link is followed: the directory it points to
+is swapped whole beside itself and the link stays. A link where a file output goes is replaced
+by the new file, never written through (it may point into DVC's read-only cache).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -15,6 +22,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from dflash.errors import OutputError
+
+FAULTS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS}
+)
+"""Errnos a user fixes on the machine (free space, permissions, mounts), not in the code."""
+
+
+@contextmanager
+def machine_faults(path: str | Path) -> Iterator[None]:
+    """Turn an ``OSError`` of :data:`FAULTS` raised while writing ``path`` into an OutputError."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in FAULTS:
+            raise
+        raise OutputError(path, err) from err
 
 
 @contextmanager
@@ -25,11 +50,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     as it was. For writers that want a file name (``pyarrow.parquet.write_table``).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        yield tmp
-        os.replace(tmp, path)
+        with machine_faults(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -47,24 +73,35 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     never a mix of old and new files. On an exception the temporary directory is removed.
     A ``.gitignore`` that DVC keeps inside ``path`` for its outputs is carried over.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     tmp = path.with_name(path.name + ".tmp")
     old = path.with_name(path.name + ".old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for name in KEPT:
-        if (path / name).is_file():
-            shutil.copy2(path / name, tmp / name)
     try:
-        yield tmp
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
+        with machine_faults(path):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            for name in KEPT:
+                if (path / name).is_file():
+                    shutil.copy2(path / name, tmp / name)
+            yield tmp
+            _swap(tmp, path, old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap(new: Path, path: Path, old: Path) -> None:
+    """Put directory ``new`` at ``path``; if that fails, the directory it held goes back."""
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    try:
+        new.rename(path)
+    except OSError:
+        if old.exists() and not path.exists():
+            old.rename(path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_text_atomic(path: str | Path, text: str, *, fsync: bool = False) -> None:

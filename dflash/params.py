@@ -102,6 +102,13 @@ def at_least(low: int):
     return parse
 
 
+OUTSIDE_RAW = (
+    f"a file must lie under {paths.RAW}/ (relative path), where dvc.yaml tracks it: copy it "
+    "there and `dvc add` it, or `dvc import-url` it there"
+)
+"""The one wording of the rule, for the path as written (here) and links resolved (ingest)."""
+
+
 def check_source_location(source: str) -> None:
     """A file source must lie under ``paths.RAW``, which ``dvc.yaml`` tracks: elsewhere it
     could change unnoticed. Checked where params load from a file, not in the schema, so code
@@ -110,10 +117,7 @@ def check_source_location(source: str) -> None:
         return
     inside = Path(os.path.normpath(source)).parts[: len(paths.RAW.parts)]
     if Path(source).is_absolute() or Path(*inside) != paths.RAW:
-        raise ConfigError(
-            f"data.source = {source!r}: a file must lie under {paths.RAW}/ (relative path), "
-            "where dvc.yaml tracks it: copy it there and `dvc add` it, or `dvc import-url` it"
-        )
+        raise ConfigError(f"data.source = {source!r}: {OUTSIDE_RAW}")
 
 
 def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = ()) -> Config:

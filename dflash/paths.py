@@ -7,6 +7,8 @@ from pathlib import Path
 
 RAW = Path("data/raw")
 """User-supplied datasets (``data.source``), tracked by ``dvc add``; a dep of ``ingest``."""
+DVC_CACHE = Path(".dvc/cache")
+"""Where ``dvc add`` with ``cache.type: symlink`` points the files of ``data/raw/``."""
 
 INGESTED = Path("data/ingested")
 CONVERSATIONS = INGESTED / "conversations.parquet"
@@ -64,6 +66,8 @@ DRAFTER_WEIGHTS = "model.safetensors"
 CHECKPOINTS = Path("checkpoints")
 CHECKPOINT_NAME = "step_{step:08d}.pt"
 CHECKPOINT_GLOB = "step_*.pt"
+TRAIN_LOCK = CHECKPOINTS / "train.lock"
+"""Held (``flock``) by the one training run of a workspace; holds its PID."""
 TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_PLOTS = Path("plots/train")
 TRAIN_LOG = TRAIN_PLOTS / "log.csv"

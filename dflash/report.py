@@ -14,6 +14,7 @@ from typing import Any
 from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
+from dflash.eval.freshness import stale_drafter
 from dflash.eval.loops import text_ends_in_loop
 
 TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
@@ -226,8 +227,9 @@ def render_report(root: Path) -> str:
         plan = {"strategy": meta.get("strategy"), **plan}
     tok = [d for d in (read(root, rel) for rel in TOKENIZE_FILES) if isinstance(d, dict)]
     ev = read(root, paths.EVAL_METRICS)
-    flag = mismatch_flag(ev) if isinstance(ev, dict) else None
-    lines = ["dflash report", *([flag] if flag else []), ""]
+    flags = [mismatch_flag(ev) if isinstance(ev, dict) else None, stale_drafter(root)]
+    flags = [flag if flag.startswith("!!!") else f"!!! {flag} !!!" for flag in flags if flag]
+    lines = ["dflash report", *flags, ""]
     lines += section("ingest", "ingest", read(root, paths.INGEST_REPORT), ingest)
     regen = read(root, paths.REGENERATE_REPORT)
     lines += section("regenerate", "regenerate", regen, lambda d: regenerate(d, root))

@@ -66,6 +66,7 @@ def test_sharegpt_record_maps_roles_and_hashes_an_id():
         ({"messages": [{"role": ["user"], "content": "a"}]}, "unknown_role"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "wrong_shape"),
         ({"messages": "[{not json"}, "invalid_json"),
+        ({"messages": "[" * 100_000}, "too_deep"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"function": {}}]}]}, "wrong_shape"),
         ({"messages": [{"role": "tool", "content": "a"}]}, "no_assistant_turn"),
         ({"conversations": [{"from": "user", "value": "a"}]}, "unknown_role"),
@@ -107,6 +108,8 @@ def test_jsonl_ingest_counts_every_skip_reason_with_line_numbers(tmp_path, monke
     assert skipped == {
         "invalid_utf8": [3],
         "invalid_json": [2, 15],
+        "too_deep": [],
+        "too_long": [],
         "wrong_shape": [7],
         "empty_content": [4],
         "unknown_role": [5],
@@ -125,9 +128,10 @@ def test_parquet_source_with_both_schemas(tmp_path, monkeypatch):
         {"messages": None, "conversations": SHAREGPT["conversations"]},
         {"messages": None, "conversations": None},
     ]
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "in.parquet")
+    source = raw_source(tmp_path, "in.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), source)
     monkeypatch.chdir(tmp_path)
-    ingest.run(Config(data=DataConfig(source=str(tmp_path / "in.parquet"), eval_fraction=0.0)))
+    ingest.run(Config(data=DataConfig(source=str(source), eval_fraction=0.0)))
     report = json.loads((tmp_path / "data/ingested/ingest_report.json").read_text())
     assert report["kept"]["train"] == 2
     assert report["skipped"]["wrong_shape"] == {"count": 1, "first_lines": [3]}

@@ -173,7 +173,8 @@ def test_same_input_gives_byte_identical_store(tiny, tmp_path):
 def test_stages_end_to_end(tmp_path, monkeypatch):
     """ingest -> tokenizer -> tokenize through the stage functions, twice, same bytes."""
     monkeypatch.chdir(tmp_path)
-    source = tmp_path / "chats.jsonl"
+    source = tmp_path / "data/raw/chats.jsonl"
+    source.parent.mkdir(parents=True)
     source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(12)))
     config = stage_config(source, chunk_size=5)
     outputs = []
@@ -250,7 +251,8 @@ def stage_config(source, vocab_size=300, **data) -> Config:
 def test_interrupted_stages_leave_their_old_outputs(tmp_path, monkeypatch):
     """A tokenizer or tokenize run that dies before its last write changes nothing."""
     monkeypatch.chdir(tmp_path)
-    source = tmp_path / "chats.jsonl"
+    source = tmp_path / "data/raw/chats.jsonl"
+    source.parent.mkdir(parents=True)
     source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(12)))
     config = stage_config(source)
     ingest.run(config)

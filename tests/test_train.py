@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import read_plan_meta, read_rank_plan
 from dflash.data.store import TokenStore
+from dflash.eval.freshness import stale_drafter
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.load import load_target
 from dflash.params import load_config
@@ -119,6 +120,7 @@ def test_single_process_run_writes_metrics_plots_and_drafter(tiny_workspace):
     assert len(rows) == metrics["steps"]
     config = json.loads((tiny_workspace / "models/drafter/config.json").read_text())
     assert config["block_size"] == 4 and "target_layer_ids" in config["dflash_config"]
+    assert stale_drafter(tiny_workspace) is None and "drafter_sha256" in metrics
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from array import array
 from collections.abc import Iterable, Iterator
@@ -29,11 +30,16 @@ from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, 
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
 from dflash.errors import ConfigError
 from dflash.fileio import atomic_dir, write_json_atomic
+from dflash.params import OUTSIDE_RAW
 
 FIRST_LINES = 5
 """How many line numbers the report keeps per reason: enough to go and look."""
 READ_BATCH = 4096
 """Parquet rows decoded to Python at a time."""
+MAX_LINE_BYTES = 64 << 20
+"""A JSONL line longer than this is counted as ``too_long`` and skipped unread: a file with
+no newline at all must not be pulled into memory whole."""
+SKIP_CHUNK = 1 << 20
 
 
 class NoConversationsError(RuntimeError):
@@ -47,7 +53,10 @@ class NoConversationsError(RuntimeError):
 def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
     """``(line number, record or RecordError)`` for every line of a JSONL file."""
     with open(path, "rb") as file:
-        for number, raw in enumerate(file, start=1):
+        for number, raw in enumerate(_lines(file), start=1):
+            if raw is None:
+                yield number, RecordError("too_long", f"line over {MAX_LINE_BYTES} bytes")
+                continue
             if number == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM) :]
             try:
@@ -56,13 +65,44 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
                 yield number, err
 
 
+def _lines(file) -> Iterator[bytes | None]:
+    """The file's lines, each at most ``MAX_LINE_BYTES``; None stands for a longer one."""
+    while raw := file.readline(MAX_LINE_BYTES + 1):
+        if len(raw) <= MAX_LINE_BYTES:
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):
+            raw = file.readline(SKIP_CHUNK)
+        yield None
+
+
 def read_parquet(path: str | Path) -> Iterator[tuple[int, object]]:
-    """``(row number, record)`` for every row of a Parquet file, one batch in memory."""
-    number = 0
-    for batch in open_parquet(path).iter_batches(batch_size=READ_BATCH):
-        for row in batch.to_pylist():
-            number += 1
-            yield number, row
+    """``(row number, record)`` for every row of a Parquet file, one batch in memory.
+
+    The file is opened before the first row is asked for, so one that is not Parquet is
+    refused before any output is begun.
+    """
+    parquet = _not_parquet_is_a_config_error(path, lambda: open_parquet(path))
+
+    def rows() -> Iterator[tuple[int, object]]:
+        number = 0
+        batches = parquet.iter_batches(batch_size=READ_BATCH)
+        while batch := _not_parquet_is_a_config_error(path, lambda: next(batches, None)):
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row
+
+    return rows()
+
+
+def _not_parquet_is_a_config_error(path: str | Path, read):
+    try:
+        return read()
+    except (pa.ArrowException, OSError) as err:
+        why = " ".join(str(err).split())  # Arrow's messages span lines; the error is one
+        raise ConfigError(
+            f"data.source = {str(path)!r} is not a readable Parquet file: {why}"
+        ) from None
 
 
 def id_digest(conversation_id: str) -> bytes:
@@ -97,10 +137,13 @@ class Tally:
             if isinstance(record, RecordError):
                 raise record
             conversation = parse_record(record)
+            content = content_digest(conversation["messages"])
         except RecordError as err:
             _note(self.skipped[err.reason], number)
             return None
-        content = content_digest(conversation["messages"])
+        except RecursionError:  # a record the reader took, too deep to normalise or hash
+            _note(self.skipped["too_deep"], number)
+            return None
         if content in self.seen_content:
             _note(self.duplicates, number)
             return None
@@ -198,9 +241,24 @@ def open_source(source: str) -> tuple[Iterable[tuple[int, object]], dict]:
         return enumerate(chats(), start=1), extra
     if not Path(source).is_file():
         raise ConfigError(f"data.source = {source!r}: no such file")
+    require_inside_raw(source)
+    if not os.access(source, os.R_OK):
+        raise ConfigError(f"data.source = {source!r}: not readable (permission denied)")
     if source.endswith(".jsonl"):
         return read_jsonl(source), {}
     return read_parquet(source), {}
+
+
+def require_inside_raw(source: str) -> None:
+    """The source, links resolved, must lie under ``data/raw/`` (or DVC's cache it links to).
+
+    ``dvc.yaml`` tracks ``data/raw`` as ingest's dep: a link out of it would let the data change
+    with no rerun. Same rule and message as the params check on the path as written.
+    """
+    real = Path(source).resolve()
+    if any(real.is_relative_to(root.resolve()) for root in (paths.RAW, paths.DVC_CACHE)):
+        return
+    raise ConfigError(f"data.source = {source!r}: {OUTSIDE_RAW} (it is a link to {real})")
 
 
 def run(config: Config) -> int:

@@ -21,6 +21,8 @@ import json
 REASONS = (
     "invalid_utf8",
     "invalid_json",
+    "too_deep",
+    "too_long",
     "wrong_shape",
     "empty_content",
     "unknown_role",
@@ -60,6 +62,8 @@ def _loads(text: str) -> object:
         return json.loads(text)
     except json.JSONDecodeError as err:
         raise RecordError("invalid_json", str(err)) from None
+    except RecursionError:
+        raise RecordError("too_deep", "nested deeper than the JSON parser goes") from None
 
 
 def parse_record(record: object) -> dict:

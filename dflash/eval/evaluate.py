@@ -10,7 +10,9 @@ near-tie when the target's top two logits at the first divergence are within rou
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,6 +21,7 @@ from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
+from dflash.eval.freshness import stale_drafter
 from dflash.eval.length_loss import loss_by_tercile, sample_loss
 from dflash.eval.live import write_eval_outputs
 from dflash.eval.loops import ends_in_loop
@@ -139,7 +142,11 @@ def summarize(decodes: Decodes, config: Config, block_size: int, stop_ids) -> di
     return metrics | answer_shape(decodes.greedy, config.evaluate.max_new_tokens, stop_ids)
 
 
-def run(config: Config) -> None:
+def run(config: Config) -> int:
+    stale = stale_drafter(Path.cwd())
+    if stale:
+        print(f"dflash evaluate: {stale}", file=sys.stderr)
+        return 2
     torch.manual_seed(config.evaluate.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(paths.TARGET, device=device)
@@ -173,3 +180,4 @@ def run(config: Config) -> None:
         f"{metrics['lossless_mismatches']} (near-ties {metrics['near_tie_divergences']}), "
         f"decode speedup {metrics['speedup']:.2f}x"
     )
+    return 0

@@ -1,15 +1,19 @@
-"""``dflash train``: run under ``torchrun`` when it launched us, otherwise launch it.
+"""``dflash train`` (and ``dvc repro``'s ``python stages/train.py``): check, lock, launch.
 
-``dvc repro`` runs ``torchrun --standalone --nproc_per_node N stages/train.py`` itself; a
-user typing ``dflash train`` gets the same thing with the resolved params handed over in a
-temporary file, so ``--set`` overrides reach every rank.
+The launching process takes the workspace's training lock, checks the plans and the world
+size once, and only then starts ``torchrun`` with the resolved params handed over in a
+temporary file, so ``--set`` overrides reach every rank. ``torchrun`` inherits the lock and
+dies with the launcher; each rank dies with ``torchrun``. Run under ``torchrun`` directly,
+rank 0 takes the lock itself.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
 import yaml
@@ -17,14 +21,41 @@ import yaml
 from dflash.config import Config
 from dflash.declaration import whole
 from dflash.train.distributed import launched_by_torchrun
+from dflash.train.lock import HELD_BY_LAUNCHER, WorkspaceBusy, workspace_lock
+from dflash.train.orphans import die_with_parent, parent_death_signal
+from dflash.train.preflight import preflight
 
 
 def run(config: Config) -> int:
-    if launched_by_torchrun() or config.train.world_size == 1:
-        from dflash.train.loop import train
+    try:
+        return _rank(config) if launched_by_torchrun() else _launch(config)
+    except WorkspaceBusy as err:
+        print(f"dflash train: {err}", file=sys.stderr)
+        return 2
 
+
+def _rank(config: Config) -> int:
+    from dflash.train.loop import train
+
+    die_with_parent()
+    own_lock = HELD_BY_LAUNCHER not in os.environ and os.environ.get("RANK") == "0"
+    with workspace_lock() if own_lock else nullcontext():
         train(config)
-        return 0
+    return 0
+
+
+def _launch(config: Config) -> int:
+    with workspace_lock() as lock:
+        preflight(config)
+        if config.train.world_size == 1:
+            from dflash.train.loop import train
+
+            train(config)
+            return 0
+        return _torchrun(config, lock)
+
+
+def _torchrun(config: Config, lock: int) -> int:
     plain = whole(config).model_dump(mode="json")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(plain, f)
@@ -41,7 +72,8 @@ def run(config: Config) -> int:
         "--params",
         str(params),
     ]
+    env = {**os.environ, HELD_BY_LAUNCHER: "1"}
     try:
-        return subprocess.call(cmd)
+        return subprocess.call(cmd, env=env, pass_fds=(lock,), preexec_fn=parent_death_signal())
     finally:
         params.unlink(missing_ok=True)

@@ -24,7 +24,8 @@ from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
-from dflash.fileio import write_json_atomic
+from dflash.fileio import remove_files, write_json_atomic
+from dflash.fingerprint import path_digest
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
 from dflash.model.load import load_target
@@ -126,7 +127,14 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> None:
+        """Train; ``metrics/train.json``, written last, records the drafter it finished.
+
+        It is removed first, so after an interrupted run its absence says that
+        ``models/drafter`` (if any) is older than the last run (:mod:`dflash.eval.freshness`).
+        """
         t = self.config.train
+        if self.ctx.is_main:
+            remove_files(paths.TRAIN_METRICS)
         monitor = (
             Monitor(
                 self.config,
@@ -145,7 +153,7 @@ class Trainer:
         summary = self._summary()
         if self.ctx.is_main:
             export_drafter(self.drafter, paths.DRAFTER, self.target.config)
-            summary |= monitor.stability()
+            summary |= monitor.stability() | {"drafter_sha256": path_digest(paths.DRAFTER)}
             write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")

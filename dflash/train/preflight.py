@@ -1,0 +1,45 @@
+"""What the launching process checks once, before any rank starts.
+
+A stale plan, a world size the plans were not made for, or more ranks than GPUs would otherwise
+be found by every rank at once: the same message printed N times, then torchrun's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from dflash import paths
+from dflash.batching.io import read_plan_meta
+from dflash.config import Config, ConfigError
+from dflash.data.store import TokenStore
+from dflash.train.plan_check import check_plan
+
+
+def preflight(config: Config) -> None:
+    """Raise a user error (exit 2) for a run that cannot go well; warn for a slow one."""
+    check_plan(
+        read_plan_meta(paths.PLANS), TokenStore(paths.TOKENIZED), config, config.train.world_size
+    )
+    check_capacity(config.train.world_size)
+
+
+def check_capacity(world_size: int) -> None:
+    """One rank per visible GPU; on CPU, more ranks than cores only share them (a warning)."""
+    if torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if world_size > gpus:
+            raise ConfigError(
+                f"train.world_size = {world_size} but {gpus} GPU(s) are visible: each rank needs "
+                "its own; lower train.world_size (then rerun `dflash plan`) or expose more GPUs"
+            )
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if world_size > (cores or 1):
+        print(
+            f"dflash train: warning: train.world_size = {world_size} ranks on {cores} CPU "
+            "core(s): they will share cores and run slower than fewer ranks would",
+            file=sys.stderr,
+        )

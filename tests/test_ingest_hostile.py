@@ -1,0 +1,108 @@
+"""Hostile sources: records the parser cannot take are counted, files that lie are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash import cli, paths
+from dflash.data import ingest
+from dflash.data.conversations import read_conversations
+
+GOOD = [
+    {
+        "id": f"c{i}",
+        "messages": [
+            {"role": "user", "content": f"q{i}"},
+            {"role": "assistant", "content": f"a{i}"},
+        ],
+    }
+    for i in range(8)
+]
+
+
+def workspace(tmp_path, monkeypatch, name: str) -> str:
+    """A workspace whose params point ``data.source`` at ``data/raw/<name>``."""
+    (tmp_path / "data/raw").mkdir(parents=True)
+    (tmp_path / "params.yaml").write_text(f"data: {{source: data/raw/{name}, eval_fraction: 0}}\n")
+    monkeypatch.chdir(tmp_path)
+    return f"data/raw/{name}"
+
+
+def lines(*records) -> bytes:
+    return b"".join(
+        (r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in records
+    )
+
+
+def report() -> dict:
+    return json.loads(paths.INGEST_REPORT.read_text())
+
+
+def test_deep_nesting_among_good_records_is_counted_and_the_good_kept(tmp_path, monkeypatch):
+    source = workspace(tmp_path, monkeypatch, "deep.jsonl")
+    deep = b'{"messages": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+    (tmp_path / source).write_bytes(lines(*GOOD[:4], deep, *GOOD[4:]))
+    assert cli.main(["ingest"]) == 0
+    assert report()["skipped"]["too_deep"] == {"count": 1, "first_lines": [5]}
+    assert len(read_conversations(paths.CONVERSATIONS)) == len(GOOD)
+
+
+def test_overlong_lines_are_counted_and_skipped_unread(tmp_path, monkeypatch):
+    source = workspace(tmp_path, monkeypatch, "long.jsonl")
+    monkeypatch.setattr(ingest, "MAX_LINE_BYTES", 200)
+    monkeypatch.setattr(ingest, "SKIP_CHUNK", 7)
+    huge = {"messages": [{"role": "user", "content": "x" * 5000}, GOOD[0]["messages"][1]]}
+    bad_bytes = b"\xff" * 300
+    (tmp_path / source).write_bytes(lines(GOOD[0], huge, GOOD[1], bad_bytes, GOOD[2]))
+    assert cli.main(["ingest"]) == 0
+    skipped = report()["skipped"]
+    assert skipped["too_long"] == {"count": 2, "first_lines": [2, 4]}
+    assert report()["records_read"] == 5 and report()["kept"]["train"] == 3
+
+
+def test_invalid_utf8_is_counted_not_fatal(tmp_path, monkeypatch):
+    source = workspace(tmp_path, monkeypatch, "latin.jsonl")
+    latin = '{"messages": [{"role": "user", "content": "café"}]}'.encode("latin-1")
+    (tmp_path / source).write_bytes(lines(GOOD[0], latin, GOOD[1]))
+    assert cli.main(["ingest"]) == 0
+    assert report()["skipped"]["invalid_utf8"] == {"count": 1, "first_lines": [2]}
+
+
+@pytest.mark.parametrize("content", [b"not parquet at all\n", b"PAR1" + b"\0" * 64 + b"PAR1"])
+def test_a_parquet_source_that_is_not_parquet_is_a_clear_error(
+    tmp_path, monkeypatch, capsys, content
+):
+    source = workspace(tmp_path, monkeypatch, "fake.parquet")
+    (tmp_path / source).write_bytes(content)
+    assert cli.main(["ingest"]) == 2
+    err = capsys.readouterr().err
+    assert source in err and "not a readable Parquet file" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+    assert not paths.INGESTED.exists()
+
+
+def test_a_link_out_of_data_raw_is_refused_like_a_path_outside(tmp_path, monkeypatch, capsys):
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_bytes(lines(*GOOD))
+    source = workspace(tmp_path, monkeypatch, "link.jsonl")
+    (tmp_path / source).symlink_to(outside)
+    assert cli.main(["ingest"]) == 2
+    err = capsys.readouterr().err
+    assert "must lie under data/raw/" in err and "dvc import-url" in err and "dvc add" in err
+    assert str(outside) in err and "Traceback" not in err
+    assert not paths.INGESTED.exists()
+    assert cli.main(["ingest", "--set", "data.source=/tmp/x.jsonl"]) == 2
+    assert "must lie under data/raw/" in capsys.readouterr().err
+
+
+def test_links_inside_data_raw_and_into_the_dvc_cache_are_read(tmp_path, monkeypatch):
+    source = workspace(tmp_path, monkeypatch, "link.jsonl")
+    cached = tmp_path / ".dvc/cache/files/md5/ab/cdef"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(lines(*GOOD))
+    (tmp_path / source).symlink_to(cached)
+    assert cli.main(["ingest"]) == 0
+    (tmp_path / "data/raw/inner.jsonl").symlink_to(tmp_path / source)
+    assert cli.main(["ingest", "--set", "data.source=data/raw/inner.jsonl"]) == 0

@@ -1,0 +1,51 @@
+"""``evaluate`` and ``report`` notice a drafter that the last training run did not write."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash import cli, paths
+from dflash.eval.freshness import stale_drafter
+from dflash.fingerprint import path_digest
+from dflash.report import render_report
+
+
+def workspace(root: Path, train_json: dict | None) -> Path:
+    (root / paths.DRAFTER).mkdir(parents=True)
+    (root / paths.DRAFTER / paths.DRAFTER_WEIGHTS).write_bytes(b"weights")
+    (root / "params.yaml").write_text("data: {source: chitchat}\n")
+    if train_json is not None:
+        (root / paths.TRAIN_METRICS).parent.mkdir(parents=True, exist_ok=True)
+        (root / paths.TRAIN_METRICS).write_text(json.dumps(train_json))
+    return root
+
+
+def test_a_drafter_without_train_json_is_stale(tmp_path):
+    reason = stale_drafter(workspace(tmp_path, None))
+    assert "metrics/train.json is missing" in reason and "did not finish" in reason
+
+
+def test_a_drafter_with_another_digest_is_stale_and_the_recorded_one_is_not(tmp_path):
+    root = workspace(tmp_path, {"steps": 3, "drafter_sha256": "0" * 64})
+    assert "is not the drafter the last training run wrote" in stale_drafter(root)
+    digest = path_digest(root / paths.DRAFTER)
+    (root / paths.TRAIN_METRICS).write_text(json.dumps({"drafter_sha256": digest}))
+    assert stale_drafter(root) is None
+    (root / paths.TRAIN_METRICS).write_text(json.dumps({"steps": 3}))  # before digests: passes
+    assert stale_drafter(root) is None
+
+
+def test_evaluate_refuses_a_stale_drafter_with_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(workspace(tmp_path, None))
+    assert cli.main(["evaluate"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics/train.json is missing" in err
+    assert "Traceback" not in err and not (tmp_path / paths.EVAL_METRICS).exists()
+
+
+def test_report_flags_a_stale_drafter_loudly(tmp_path):
+    root = workspace(tmp_path, {"steps": 3, "drafter_sha256": "0" * 64})
+    text = render_report(root).splitlines()
+    assert text[1].startswith("!!! models/drafter is not the drafter") and text[1].endswith("!!!")
+    assert "!!!" not in render_report(workspace(tmp_path / "fresh", {"steps": 3}))

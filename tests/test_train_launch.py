@@ -1,0 +1,115 @@
+"""The train launcher: checks once before any rank starts, one writer, no orphan ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dflash import paths
+from dflash.config import ConfigError
+from dflash.train import preflight
+from dflash.train.lock import WorkspaceBusy, workspace_lock
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def dflash_train(workspace: Path, *overrides: str) -> subprocess.CompletedProcess:
+    sets = [f"--set={o}" for o in overrides]
+    cmd = [sys.executable, "-m", "dflash.cli", "train", *sets]
+    return subprocess.run(cmd, cwd=workspace, env=ENV, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("override", "problem"),
+    [
+        ("batching.token_budget=999", "token_budget: plan has 384, this run needs 999"),
+        ("train.world_size=64", "world_size: plan has 2, this run needs 64"),
+    ],
+)
+def test_a_stale_plan_is_refused_once_before_torchrun_starts(tiny_workspace, override, problem):
+    proc = dflash_train(tiny_workspace, override)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("stale plan") == 1 and problem in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert "torch.distributed" not in proc.stderr + proc.stdout
+    assert not (tiny_workspace / paths.DRAFTER).exists()
+
+
+def test_more_ranks_than_gpus_is_an_error_and_than_cores_a_warning(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    preflight.check_capacity(1)
+    with pytest.raises(ConfigError, match="train.world_size = 2 but 1 GPU"):
+        preflight.check_capacity(2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    preflight.check_capacity(2)
+    assert capsys.readouterr().err == ""
+    preflight.check_capacity(64)
+    assert "64 ranks on 2 CPU core(s)" in capsys.readouterr().err
+
+
+def test_a_second_train_in_the_workspace_exits_2_naming_the_holder(tiny_workspace, monkeypatch):
+    monkeypatch.chdir(tiny_workspace)
+    with workspace_lock():
+        proc = dflash_train(tiny_workspace)
+    assert proc.returncode == 2, proc.stderr
+    assert f"PID {os.getpid()}" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tiny_workspace / paths.DRAFTER).exists()
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    lock = tmp_path / "train.lock"
+    dead = subprocess.Popen([sys.executable, "-c", "import os; print(os.getpid())"])
+    dead.wait()
+    lock.write_text(f"{dead.pid}\n")
+    with workspace_lock(lock):
+        assert lock.read_text() == f"{os.getpid()}\n"
+        with pytest.raises(WorkspaceBusy, match=f"PID {os.getpid()}"), workspace_lock(lock):
+            pass
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
+    cmd = [sys.executable, "-m", "dflash.cli", "train", "--set=train.checkpoint_every=1"]
+    launcher = subprocess.Popen(
+        cmd,
+        cwd=tiny_workspace,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    first = tiny_workspace / "checkpoints" / "step_00000001.pt.sha256"
+    deadline = time.time() + 300
+    while time.time() < deadline and not first.exists() and launcher.poll() is None:
+        time.sleep(0.05)
+    assert first.exists(), "training never reached its first checkpoint"
+    tree = psutil.Process(launcher.pid).children(recursive=True)
+    ranks = [p for p in tree if "torch.distributed.run" not in " ".join(p.cmdline())]
+    assert len(ranks) == 2 and len(tree) == 3  # the torchrun agent and its two ranks
+    os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(alive(p) for p in tree):
+        time.sleep(0.1)
+    survivors = [p.pid for p in tree if alive(p)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert survivors == []
+    assert not (tiny_workspace / paths.DRAFTER).exists()
