@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash import paths
-from dflash.config import ConfigError
+from dflash.errors import ConfigError
 from dflash.train import preflight
 from dflash.train.lock import WorkspaceBusy, workspace_lock
 

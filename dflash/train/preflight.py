@@ -13,8 +13,9 @@ import torch
 
 from dflash import paths
 from dflash.batching.io import read_plan_meta
-from dflash.config import Config, ConfigError
+from dflash.config import Config
 from dflash.data.store import TokenStore
+from dflash.errors import ConfigError
 from dflash.train.plan_check import check_plan
 
 
