@@ -119,6 +119,11 @@ def test_single_process_run_writes_metrics_plots_and_drafter(tiny_workspace):
     assert len(rows) == metrics["steps"]
     config = json.loads((tiny_workspace / "models/drafter/config.json").read_text())
     assert config["block_size"] == 4 and "target_layer_ids" in config["dflash_config"]
+    assert config["dflash_config"]["mask_token"] == "<|MASK|>"
+    assert config["dtype"] == "float32"  # export.dtype auto: the tiny target's config says fp32
+    card = (tiny_workspace / "models/drafter/README.md").read_text()
+    assert '"num_speculative_tokens": 3' in card and "final_loss" in card
+    assert (tiny_workspace / "models/drafter/dflash.py").is_file()
 
 
 @pytest.mark.slow

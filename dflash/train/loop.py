@@ -26,7 +26,7 @@ from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import write_json_atomic
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.export import export_drafter
+from dflash.model.export import export_run
 from dflash.model.load import load_target
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
@@ -85,6 +85,7 @@ class Trainer:
             num_hidden_layers=d.num_hidden_layers,
             num_target_features=d.num_target_features,
             mask_token_id=mask_token_id,
+            mask_token=tokenizer.mask_token,
             seed=config.train.seed,
         ).to(ctx.device)
         self.layer_ids = self.drafter.config.target_layer_ids
@@ -144,8 +145,8 @@ class Trainer:
         checkpoint.save(self)
         summary = self._summary()
         if self.ctx.is_main:
-            export_drafter(self.drafter, paths.DRAFTER, self.target.config)
             summary |= monitor.stability()
+            export_run(self.drafter, self.config, self.target.config, summary)
             write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")
