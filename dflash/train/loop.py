@@ -34,6 +34,7 @@ from dflash.train.batches import MicroBatch, StepDataset, make_loader
 from dflash.train.distributed import Dist, barrier, init_distributed, shutdown
 from dflash.train.monitor import Monitor
 from dflash.train.plan_check import check_epoch_file, check_plan
+from dflash.train.simulated import SimulatedTau
 from dflash.train.step import forward_backward
 
 
@@ -109,6 +110,9 @@ class Trainer:
             if ctx.device.type == "cuda"
             else contextlib.nullcontext()
         )
+        self.simulated = SimulatedTau.build(
+            self.target, tokenizer, self.drafter, config.data.max_seq_len, self.autocast
+        )
         self.fingerprint = checkpoint.run_fingerprint(config)
         self.state: dict[str, Any] = {
             "epoch": 0,
@@ -181,12 +185,21 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{result['loss']:.3f}", lr=f"{result['lr']:.2e}")
             step = self.state["global_step"]
-            if monitor is not None and (step % c.logging.every == 0 or step == self.total_steps):
-                monitor.log(window.row(step, epoch))
+            epoch_end = self.state["step_in_epoch"] == self.epoch_steps[epoch]
+            if step % c.logging.every == 0 or epoch_end:
+                row = window.row(step, epoch) | self._simulated_tau()  # every rank: FSDP-safe
+                if monitor is not None:
+                    monitor.log(row)
                 window = _Window()
             if step % c.train.checkpoint_every == 0:
                 checkpoint.save(self)
         bar.close()
+
+    def _simulated_tau(self) -> dict[str, float]:
+        """τ of the current drafter on the fixed held-out batch (none without held-out data)."""
+        if self.simulated is None:
+            return {}
+        return {"simulated_tau": self.simulated.measure(self.drafter)}
 
     def _epoch_dataset(self, epoch: int) -> StepDataset:
         """This rank's steps of the epoch's plan, from the step a resumed run stopped at."""
@@ -261,10 +274,13 @@ class Trainer:
         last_epoch = max((e for e, _, _ in s["epoch_loss"]), default=0)
         last = [(loss, w) for e, loss, w in s["epoch_loss"] if e == last_epoch]
         final_loss = sum(loss * w for loss, w in last) / max(sum(w for _, w in last), 1e-12)
-        rows = s["rows"]
+        last_row = s["rows"][-1] if s["rows"] else {}
+        tau_seconds = self.simulated.seconds if self.simulated else 0.0
         return {
             "final_loss": final_loss,
-            "final_accuracy": rows[-1]["accuracy"] if rows else float("nan"),
+            "final_accuracy": last_row.get("accuracy", float("nan")),
+            "final_simulated_tau": last_row.get("simulated_tau", float("nan")),
+            "simulated_tau_cost": tau_seconds / max(s["elapsed_s"], 1e-9),
             "tokens_per_s": s["real_tokens"] / max(s["elapsed_s"], 1e-9),
             "padded_tokens_per_s": s["padded_tokens"] / max(s["elapsed_s"], 1e-9),
             "padding_efficiency": s["real_tokens"] / max(s["padded_tokens"], 1),
