@@ -187,6 +187,12 @@ class EvaluateConfig(Section):
     seed: Int = Field(0, ge=0)
 
 
+class ExportConfig(Section):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of the exported drafter's weights; ``auto`` is the one the target's config serves
+    in (bf16 for a bf16 target), so a CPU run does not hand a bf16 target fp32 weights."""
+
+
 class LoggingConfig(Section):
     wandb: Literal["offline", "online", "disabled"] = "offline"
     every: Int = Field(10, ge=1)
@@ -205,6 +211,7 @@ class Config(BaseModel):
     batching: BatchingConfig = BatchingConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    export: ExportConfig = ExportConfig()
     logging: LoggingConfig = LoggingConfig()
     _whole: Config | None = PrivateAttr(None)
     """Behind a ``restrict``-ed view, the params it was cut from: to hand on, never to read."""

@@ -63,6 +63,10 @@ DRAFTER = Path("models/drafter")
 DRAFTER_CONFIG = "config.json"
 DRAFTER_WEIGHTS = "model.safetensors"
 """The Hugging Face names serving stacks look for in a drafter directory."""
+DRAFTER_CODE = "dflash.py"
+"""The remote-code modelling file ``auto_map`` names (``trust_remote_code=True``)."""
+DRAFTER_CARD = "README.md"
+"""The model card: serving commands, training params, figures."""
 CHECKPOINTS = Path("checkpoints")
 CHECKPOINT_NAME = "step_{step:08d}.pt"
 CHECKPOINT_GLOB = "step_*.pt"

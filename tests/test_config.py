@@ -16,6 +16,7 @@ def test_committed_params_load():
     config = load_config(ROOT / "params.yaml")
     assert config.batching.strategy in ("sorted", "shuffle", "bucketed", "packed")
     assert config.train.betas == (0.9, 0.95)
+    assert config.export.dtype == "auto"
 
 
 def test_override_by_dotted_key():

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import tiny_qwen3
 from safetensors import safe_open
-from transformers import Qwen3Config
+from transformers import AutoModel, Qwen3Config
 
+from dflash.model.card import model_card
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.export import export_drafter, loader_notes
+from dflash.model.export import export_drafter, export_dtype, loader_notes
+from dflash.model.generate import greedy_generate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "zlab_qwen3_8b_dflash_b16_config.json"
 """The keys of z-lab's public Qwen3-8B-DFlash-b16 ``config.json``, written by hand from it."""
@@ -66,3 +70,90 @@ def test_export_names_the_loaders_that_need_target_layer_ids(target, tmp_path, c
     export_drafter(drafter_for(target, layers=1, features=3), tmp_path / "a", target.config)
     assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().out
     assert loader_notes(drafter_for(target, layers=2, features=2).config) == []
+
+
+def imported_packages(path: Path) -> set[str]:
+    nodes = [
+        n
+        for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, ast.Import | ast.ImportFrom)
+    ]
+    names = [a.name for n in nodes if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in nodes if isinstance(n, ast.ImportFrom)]
+    return {name.split(".")[0] for name in names}
+
+
+@pytest.fixture
+def hub_modules(tmp_path, monkeypatch):
+    """Remote code is copied under a temporary modules cache, not the user's ~/.cache."""
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return tmp_path / "modules"
+
+
+def test_export_loads_through_automodel_and_decodes_losslessly(target, tmp_path, hub_modules):
+    drafter = DFlashDrafter.from_target(
+        target, block_size=4, num_hidden_layers=2, num_target_features=3, mask_token_id=299,
+        mask_token="<|MASK|>", seed=1,
+    )  # fmt: skip
+    export_drafter(drafter, tmp_path / "drafter", target.config)
+    config = json.loads((tmp_path / "drafter/config.json").read_text())
+    assert config["dflash_config"]["mask_token"] == "<|MASK|>"
+    assert set(config["auto_map"]) == {"AutoConfig", "AutoModel"}
+    code = (tmp_path / "drafter" / config["auto_map"]["AutoModel"].split(".")[0]).with_suffix(".py")
+    assert imported_packages(code) == {"__future__", "torch", "transformers"}
+
+    model = AutoModel.from_pretrained(
+        tmp_path / "drafter", trust_remote_code=True, local_files_only=True
+    ).eval()
+    assert type(model).__name__ == "DFlashDraftModel"
+    ours = dict(drafter.state_dict())
+    assert ours.keys() == dict(model.state_dict()).keys()
+    # The same hidden states as the trainer's drafter, so the same drafts.
+    torch.manual_seed(0)
+    features, block = torch.randn(1, 7, 3 * 32), torch.randint(0, 300, (1, 4))
+    positions = torch.arange(11)[None]
+    with torch.no_grad():
+        theirs = model(target.get_input_embeddings()(block), features, positions)
+        mine = drafter(block, positions[:, 7:], features, positions[:, :7])
+    torch.testing.assert_close(theirs, mine)
+    for prompt in ([5], [1, 2, 3], [7, 250, 7, 250, 7]):
+        reference = greedy_generate(target, prompt, 20)
+        out = model.spec_generate(
+            target=target, input_ids=torch.tensor([prompt]), max_new_tokens=20
+        )
+        assert out[0, len(prompt) :].tolist() == reference
+        stop = reference[6]
+        out = model.spec_generate(target=target, input_ids=torch.tensor([prompt]),
+                                  max_new_tokens=20, stop_token_ids=[stop])  # fmt: skip
+        assert out[0, len(prompt) :].tolist() == reference[: reference.index(stop) + 1]
+
+
+def test_export_dtype_auto_is_the_dtype_the_target_config_serves_in(tmp_path):
+    tiny_qwen3().to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tiny_qwen3().save_pretrained(tmp_path / "fp32")
+    assert export_dtype("auto", tmp_path / "bf16") == torch.bfloat16
+    assert export_dtype("auto", tmp_path / "fp32") == torch.float32
+    assert export_dtype("float16", tmp_path / "bf16") == torch.float16
+    target = tiny_qwen3()  # runs in fp32 here, as the CPU default does; the export follows dtype
+    drafter_for(target).save_pretrained(tmp_path / "out", target.config, torch.bfloat16)
+    assert json.loads((tmp_path / "out/config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(tmp_path / "out/model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
+def test_model_card_says_how_to_serve_and_what_trained_it(target):
+    config = drafter_for(target).config.to_dict(target.config, torch.bfloat16)
+    params = {"drafter": {"block_size": 4}, "train": {"lr": 0.003}}
+    card = model_card(config, "Qwen/Qwen3-8B", params, {"final_loss": 0.77, "steps": 462})
+    spec = '{"method": "dflash", "model": "models/drafter", "num_speculative_tokens": 3}'
+    assert f"vllm serve Qwen/Qwen3-8B \\\n  --speculative-config '{spec}'" in card
+    for flag in ("--speculative-algorithm DFLASH", "--speculative-draft-model-path models/drafter",
+                 "--speculative-num-draft-tokens 4", "trust_remote_code=True"):  # fmt: skip
+        assert flag in card
+    assert "lr: 0.003" in card and "| final_loss | 0.77 |" in card and "bfloat16" in card
+    scored = model_card(config, "t", params, {}, {"acceptance_length": 4.1027, "baselines": {
+        "ngram": {"acceptance_length": 1.2568}}})  # fmt: skip
+    assert "| 4.103 |" in scored and "| τ of n-gram prompt lookup | 1.257 |" in scored

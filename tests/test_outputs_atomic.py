@@ -126,4 +126,6 @@ def test_train_leaves_no_old_metrics_beside_a_new_drafter(tiny_workspace, monkey
     with pytest.raises(Killed):
         run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
     assert not paths.TRAIN_METRICS.exists()
-    assert sorted(p.name for p in paths.DRAFTER.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in paths.DRAFTER.iterdir()) == sorted(
+        [paths.DRAFTER_CARD, paths.DRAFTER_CONFIG, paths.DRAFTER_WEIGHTS, paths.DRAFTER_CODE]
+    )

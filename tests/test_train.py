@@ -118,9 +118,18 @@ def test_single_process_run_writes_metrics_plots_and_drafter(tiny_workspace):
     assert metrics["padding_efficiency"] == pytest.approx(plan["padding_efficiency"], rel=1e-6)
     rows = list(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))
     assert len(rows) == metrics["steps"]
+    # τ on the held-out batch at every log row, and its cost beside the step time.
+    assert all(1.0 <= float(row["simulated_tau"]) <= 4.0 for row in rows)
+    assert metrics["final_simulated_tau"] == pytest.approx(float(rows[-1]["simulated_tau"]))
+    assert 0.0 < metrics["simulated_tau_cost"]
     config = json.loads((tiny_workspace / "models/drafter/config.json").read_text())
     assert config["block_size"] == 4 and "target_layer_ids" in config["dflash_config"]
     assert stale_drafter(tiny_workspace) is None and "drafter_sha256" in metrics
+    assert config["dflash_config"]["mask_token"] == "<|MASK|>"
+    assert config["dtype"] == "float32"  # export.dtype auto: the tiny target's config says fp32
+    card = (tiny_workspace / "models/drafter/README.md").read_text()
+    assert '"num_speculative_tokens": 3' in card and "final_loss" in card
+    assert (tiny_workspace / "models/drafter/dflash.py").is_file()
 
 
 @pytest.mark.slow

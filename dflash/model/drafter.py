@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from dflash import paths
+from dflash.model import remote
 from dflash.model.attention import AnchorBlocks, BlockMask, attend
 from dflash.model.export import serving_keys
 from dflash.model.features import target_layer_ids as spread_layer_ids
@@ -44,6 +46,8 @@ class DFlashConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
+    mask_token: str | None = None
+    """The mask token's string: SGLang looks it up by name and assumes ``<|MASK|>`` without it."""
 
     def to_dict(self, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
         """The Hugging Face style ``config.json`` of DESIGN.md, plus what serving stacks read.
@@ -54,7 +58,9 @@ class DFlashConfig:
         draft by (:func:`dflash.model.export.serving_keys`).
         """
         fields = dataclasses.asdict(self)
-        dflash = {k: fields.pop(k) for k in ("mask_token_id", "target_layer_ids")}
+        dflash = {k: fields.pop(k) for k in ("mask_token_id", "target_layer_ids", "mask_token")}
+        if dflash["mask_token"] is None:
+            del dflash["mask_token"]
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -68,10 +74,11 @@ class DFlashConfig:
     @classmethod
     def from_dict(cls, data: dict) -> DFlashConfig:
         """Read back our own fields; serving-only keys are ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
         flat = {k: v for k, v in data.items() if k in names}
         flat.update({k: v for k, v in data.get("dflash_config", {}).items() if k in names})
-        missing = names - flat.keys()
+        missing = {f.name for f in fields if f.default is dataclasses.MISSING} - flat.keys()
         if missing:
             raise ValueError(f"drafter config.json lacks {sorted(missing)}")
         return cls(**flat)
@@ -222,6 +229,7 @@ class DFlashDrafter(nn.Module):
         num_hidden_layers: int,
         num_target_features: int,
         mask_token_id: int,
+        mask_token: str | None = None,
         seed: int = 0,
     ) -> DFlashDrafter:
         """A freshly initialised drafter (seeded, global RNG untouched) sized like ``target``.
@@ -245,6 +253,7 @@ class DFlashDrafter(nn.Module):
             intermediate_size=tc.intermediate_size,
             rms_norm_eps=tc.rms_norm_eps,
             rope_theta=_rope_theta(tc),
+            mask_token=mask_token,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -271,19 +280,24 @@ class DFlashDrafter(nn.Module):
         drafter = cls(config, target.get_input_embeddings(), target.get_output_embeddings())
         return drafter.to(target.get_input_embeddings().weight.device)
 
-    def save_pretrained(self, directory: str | Path, target_config: Any = None) -> None:
-        """``config.json`` and ``model.safetensors`` with the drafter's own weights only.
+    def save_pretrained(
+        self, directory: str | Path, target_config: Any = None, dtype: torch.dtype | None = None
+    ) -> None:
+        """``config.json``, ``model.safetensors`` (the drafter's own weights only) and the
+        remote-code ``dflash.py`` its ``auto_map`` names.
 
-        Weights are saved in the dtype the target runs in (bf16 on CUDA), which is what serving
-        stacks load the draft in; ``target_config`` adds the keys they size the draft by.
+        Weights are saved in ``dtype``, by default the one the target runs in here (bf16 on
+        CUDA), which is what serving stacks load the draft in; ``target_config`` adds the keys
+        they size the draft by.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        dtype = self.borrowed.embed_tokens.weight.dtype
+        dtype = dtype or self.borrowed.embed_tokens.weight.dtype
         config = self.config.to_dict(target_config, dtype)
         (directory / paths.DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
         save_file(state, directory / paths.DRAFTER_WEIGHTS, metadata={"format": "pt"})
+        shutil.copyfile(remote.__file__, directory / paths.DRAFTER_CODE)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: nn.Module) -> DFlashDrafter:

@@ -8,6 +8,9 @@ and ``rope_scaling``, transformers 5 ``rope_parameters``) and the dtype (``torch
 ``dtype`` in 5). vLLM takes the target layers to tap from ``eagle_aux_hidden_state_layer_ids``;
 its ids count the embedding as layer 0, so they are DFlash's ``target_layer_ids`` + 1 (newer
 vLLM derives them from ``dflash_config`` the same way; older builds read only this key).
+SGLang finds the mask token by its string, ``dflash_config.mask_token``, and assumes ``<|MASK|>``
+without it. z-lab's documented ``AutoModel`` path with ``trust_remote_code=True`` needs
+``auto_map`` and the modelling file it names (:mod:`dflash.model.remote`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ from typing import Any
 
 import torch
 
+from dflash import paths
+from dflash.declaration import declared_params
 from dflash.fileio import atomic_dir
+from dflash.model import remote
+from dflash.model.card import model_card
+from dflash.model.load import resolve_target_path
 
 INIT_RANGE = 0.02
 """Qwen3's ``initializer_range``; the drafter's projections are initialised with it."""
@@ -56,6 +64,7 @@ def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | No
         "torch_dtype": _dtype_name(dtype),
         "dtype": _dtype_name(dtype),
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "auto_map": auto_map(),
         "layer_types": ["full_attention"] * n,
         "use_sliding_window": False,
         "sliding_window": None,
@@ -69,6 +78,41 @@ def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | No
             for key in ("bos_token_id", "eos_token_id", "pad_token_id")
         },
     }
+
+
+def auto_map() -> dict[str, str]:
+    """Where ``AutoConfig`` and ``AutoModel`` find the classes of the shipped ``dflash.py``."""
+    module = Path(paths.DRAFTER_CODE).stem
+    return {
+        "AutoConfig": f"{module}.{remote.DFlashDraftConfig.__name__}",
+        "AutoModel": f"{module}.{remote.DFlashDraftModel.__name__}",
+    }
+
+
+def export_dtype(setting: str, target_dir: Path = paths.TARGET) -> torch.dtype | None:
+    """``export.dtype`` as a torch dtype; ``auto`` is the dtype the target's own config serves
+    in (bf16 for a bf16 checkpoint), read from its files: the loaded target runs in fp32 on CPU.
+    None when the config names none (the export then keeps the run's dtype)."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_target_path(target_dir), local_files_only=True)
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def export_run(drafter: Any, config: Any, target_config: Any, training: dict) -> None:
+    """A training run's export: in ``export.dtype``, with a model card of its params and
+    ``training``'s figures."""
+    dtype = export_dtype(config.export.dtype) or drafter.borrowed.embed_tokens.weight.dtype
+    card = model_card(
+        drafter.config.to_dict(target_config, dtype),
+        resolve_target_path(paths.TARGET),
+        declared_params(config),
+        training,
+    )
+    export_drafter(drafter, paths.DRAFTER, target_config, dtype, card)
 
 
 def loader_notes(config: Any) -> list[str]:
@@ -85,9 +129,17 @@ def loader_notes(config: Any) -> list[str]:
     ]
 
 
-def export_drafter(drafter: Any, out: Path, target_config: Any = None) -> None:
+def export_drafter(
+    drafter: Any,
+    out: Path,
+    target_config: Any = None,
+    dtype: torch.dtype | None = None,
+    card: str | None = None,
+) -> None:
     """Write the Hugging Face style drafter directory whole or not at all, and say what to check."""
     with atomic_dir(out) as tmp:
-        drafter.save_pretrained(tmp, target_config)
+        drafter.save_pretrained(tmp, target_config, dtype)
+        if card is not None:
+            (tmp / paths.DRAFTER_CARD).write_text(card)
     for note in loader_notes(drafter.config):
         print(f"[export] {out}: {note}")

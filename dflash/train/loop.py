@@ -27,7 +27,7 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import remove_files, write_json_atomic
 from dflash.fingerprint import path_digest
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.export import export_drafter
+from dflash.model.export import export_run
 from dflash.model.load import load_target
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
@@ -35,6 +35,7 @@ from dflash.train.batches import MicroBatch, StepDataset, make_loader
 from dflash.train.distributed import Dist, barrier, init_distributed, shutdown
 from dflash.train.monitor import Monitor
 from dflash.train.plan_check import check_epoch_file, check_plan
+from dflash.train.simulated import SimulatedTau
 from dflash.train.step import forward_backward
 
 
@@ -86,6 +87,7 @@ class Trainer:
             num_hidden_layers=d.num_hidden_layers,
             num_target_features=d.num_target_features,
             mask_token_id=mask_token_id,
+            mask_token=tokenizer.mask_token,
             seed=config.train.seed,
         ).to(ctx.device)
         self.layer_ids = self.drafter.config.target_layer_ids
@@ -108,6 +110,9 @@ class Trainer:
             torch.autocast("cuda", dtype=torch.bfloat16)
             if ctx.device.type == "cuda"
             else contextlib.nullcontext()
+        )
+        self.simulated = SimulatedTau.build(
+            self.target, tokenizer, self.drafter, config.data.max_seq_len, self.autocast
         )
         self.fingerprint = checkpoint.run_fingerprint(config)
         self.state: dict[str, Any] = {
@@ -152,8 +157,9 @@ class Trainer:
         checkpoint.save(self)
         summary = self._summary()
         if self.ctx.is_main:
-            export_drafter(self.drafter, paths.DRAFTER, self.target.config)
-            summary |= monitor.stability() | {"drafter_sha256": path_digest(paths.DRAFTER)}
+            summary |= monitor.stability()
+            export_run(self.drafter, self.config, self.target.config, summary)
+            summary["drafter_sha256"] = path_digest(paths.DRAFTER)
             write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")
@@ -188,12 +194,21 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{result['loss']:.3f}", lr=f"{result['lr']:.2e}")
             step = self.state["global_step"]
-            if monitor is not None and (step % c.logging.every == 0 or step == self.total_steps):
-                monitor.log(window.row(step, epoch))
+            epoch_end = self.state["step_in_epoch"] == self.epoch_steps[epoch]
+            if step % c.logging.every == 0 or epoch_end:
+                row = window.row(step, epoch) | self._simulated_tau()  # every rank: FSDP-safe
+                if monitor is not None:
+                    monitor.log(row)
                 window = _Window()
             if step % c.train.checkpoint_every == 0:
                 checkpoint.save(self)
         bar.close()
+
+    def _simulated_tau(self) -> dict[str, float]:
+        """τ of the current drafter on the fixed held-out batch (none without held-out data)."""
+        if self.simulated is None:
+            return {}
+        return {"simulated_tau": self.simulated.measure(self.drafter)}
 
     def _epoch_dataset(self, epoch: int) -> StepDataset:
         """This rank's steps of the epoch's plan, from the step a resumed run stopped at."""
@@ -268,10 +283,13 @@ class Trainer:
         last_epoch = max((e for e, _, _ in s["epoch_loss"]), default=0)
         last = [(loss, w) for e, loss, w in s["epoch_loss"] if e == last_epoch]
         final_loss = sum(loss * w for loss, w in last) / max(sum(w for _, w in last), 1e-12)
-        rows = s["rows"]
+        last_row = s["rows"][-1] if s["rows"] else {}
+        tau_seconds = self.simulated.seconds if self.simulated else 0.0
         return {
             "final_loss": final_loss,
-            "final_accuracy": rows[-1]["accuracy"] if rows else float("nan"),
+            "final_accuracy": last_row.get("accuracy", float("nan")),
+            "final_simulated_tau": last_row.get("simulated_tau", float("nan")),
+            "simulated_tau_cost": tau_seconds / max(s["elapsed_s"], 1e-9),
             "tokens_per_s": s["real_tokens"] / max(s["elapsed_s"], 1e-9),
             "padded_tokens_per_s": s["padded_tokens"] / max(s["elapsed_s"], 1e-9),
             "padding_efficiency": s["real_tokens"] / max(s["padded_tokens"], 1),

@@ -25,6 +25,7 @@ PLOT_COLUMNS = [
     "epoch",
     "loss",
     "accuracy",
+    "simulated_tau",
     "lr",
     "grad_norm",
     "tokens_per_s",

@@ -1,0 +1,124 @@
+"""The drafter's model card: how to serve it, what trained it, and how well it drafts.
+
+An export is copied away from the pipeline that made it; the card travels with it, so whoever
+holds the directory can serve it with vLLM or SGLang, rerun its training params, and compare
+its figures with their own.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from dflash import paths
+
+SCORECARD_KEYS = {
+    "acceptance_length": "τ (acceptance length, per response)",
+    "acceptance_length_ci95": "τ 95% interval",
+    "acceptance_length_zlab": "τ counted as z-lab's dflash_generate",
+    "lossless_mismatches": "lossless mismatches",
+    "baselines.ngram.acceptance_length": "τ of n-gram prompt lookup",
+}
+"""Figures of ``metrics/eval.json`` the card shows when it is given them, in this order."""
+
+
+def _flat(figures: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in figures.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _serving(target: str, directory: str, block_size: int) -> str:
+    spec = json.dumps(
+        {"method": "dflash", "model": directory, "num_speculative_tokens": block_size - 1}
+    )
+    return f"""## Serve
+
+vLLM:
+
+```bash
+vllm serve {target} \\
+  --speculative-config '{spec}'
+```
+
+SGLang:
+
+```bash
+python -m sglang.launch_server --model-path {target} \\
+  --speculative-algorithm DFLASH \\
+  --speculative-draft-model-path {directory} \\
+  --speculative-num-draft-tokens {block_size} \\
+  --trust-remote-code
+```
+
+Transformers (the modelling code is `{paths.DRAFTER_CODE}` in this directory):
+
+```python
+from transformers import AutoModel, AutoModelForCausalLM
+
+draft = AutoModel.from_pretrained(
+    "{directory}", trust_remote_code=True, dtype="auto", local_files_only=True
+).eval()
+target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", local_files_only=True)
+output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=256,
+                             stop_token_ids=[eos_token_id], temperature=0.0)
+```
+"""
+
+
+def _figures(training: dict[str, Any], scorecard: dict[str, Any] | None) -> str:
+    rows = [(key, _value(v)) for key, v in sorted(training.items()) if isinstance(v, int | float)]
+    if scorecard:
+        flat = _flat(scorecard)
+        rows += [(label, _value(flat[key])) for key, label in SCORECARD_KEYS.items() if key in flat]
+    lines = ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
+    note = "" if scorecard else "\nThe scorecard of real speculative decoding: `dflash evaluate`.\n"
+    return "## Figures\n\n" + "\n".join(lines) + "\n" + note
+
+
+def model_card(
+    config: dict[str, Any],
+    target: str,
+    params: dict[str, Any],
+    training: dict[str, Any],
+    scorecard: dict[str, Any] | None = None,
+    directory: str = str(paths.DRAFTER),
+) -> str:
+    """The ``README.md`` of a drafter export, from its ``config.json`` dict and the run's params.
+
+    ``training`` holds the training summary's figures; ``scorecard`` evaluate's metrics when
+    they describe this very export (they are written after it, so training passes none).
+    """
+    bs, dflash = config["block_size"], config["dflash_config"]
+    mask = dflash.get("mask_token", "?")
+    return f"""# DFlash drafter for `{target}`
+
+A DFlash block-diffusion draft model trained by the dflash pipeline against `{target}`: in one
+forward pass it drafts {bs - 1} tokens from the features of target layers
+{dflash["target_layer_ids"]}, and the target verifies them, so the output is the target's own.
+{config["num_hidden_layers"]} layers, hidden size {config["hidden_size"]}, weights in
+{config["dtype"]}, mask token `{mask}` (id {dflash["mask_token_id"]}). The target's embedding
+and LM head are borrowed, not stored here.
+
+{_serving(target, directory, bs)}
+## Training params
+
+```yaml
+{yaml.safe_dump(params, sort_keys=True).rstrip()}
+```
+
+{_figures(training, scorecard)}"""

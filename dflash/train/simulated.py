@@ -1,0 +1,132 @@
+"""Simulated acceptance length: τ of the drafter during training, cheap enough to log often.
+
+Per block, τ is 1 + the number of leading slots whose drafter top-1 equals the target's own
+token there, averaged over blocks (SpecForge's ``simulated_acc_len``). The batch is made once:
+the target's own greedy continuations of a few held-out prompts, one block anchored at every
+response token, with the target's features. So a match is what verification would accept, and
+each measurement costs one drafter forward and its LM head; the result depends on the weights
+only. It differs from ``evaluate``'s τ, which counts only the blocks decoding really reaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from dflash import paths
+from dflash.data.conversations import read_conversations
+from dflash.data.tokenizer import stop_token_ids
+from dflash.model.attention import build_attention_mask
+from dflash.model.features import target_features
+from dflash.model.generate import greedy_generate
+from dflash.model.objective import block_labels
+
+PROMPTS = 8
+"""Held-out conversations in the batch: the first ones by id, cut before their first answer."""
+NEW_TOKENS = 32
+"""Greedy tokens the target writes after each prompt; every one anchors a block."""
+HEAD_CHUNK = 4096
+"""Block slots sent through the LM head at once: bounds the logits at a large vocabulary."""
+
+
+def heldout_prompts(path: Path, tokenizer, budget: int) -> list[list[int]]:
+    """The first ``PROMPTS`` held-out conversations (by id) up to their first assistant turn."""
+    prompts = []
+    for conv in sorted(read_conversations(path), key=lambda c: c["conversation_id"]):
+        roles = [m["role"] for m in conv["messages"]]
+        if "assistant" not in roles or len(prompts) == PROMPTS:
+            continue
+        ids = tokenizer.apply_chat_template(
+            conv["messages"][: roles.index("assistant")],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        prompts.append(list(ids)[-budget:])
+    return prompts
+
+
+def pack(prompts: list[list[int]], answers: list[list[int]], device) -> dict[str, Tensor]:
+    """One row of documents ``prompt + answer``; the loss mask covers the answers."""
+    ids, docs, positions, answer = [], [], [], []
+    for doc, (prompt, new) in enumerate(zip(prompts, answers, strict=True)):
+        ids += prompt + new
+        docs += [doc] * (len(prompt) + len(new))
+        positions += range(len(prompt) + len(new))
+        answer += [0] * len(prompt) + [1] * len(new)
+    row = {"input_ids": ids, "document_ids": docs, "position_ids": positions, "loss_mask": answer}
+    return {k: torch.tensor([v], device=device) for k, v in row.items()}
+
+
+@dataclass
+class SimulatedTau:
+    """The fixed batch, ready for the drafter: blocks, their mask, labels and target features."""
+
+    features: Tensor
+    context_positions: Tensor
+    document_ids: Tensor
+    anchors: Tensor
+    """``[A]`` row index of each block's anchor."""
+    block_ids: Tensor
+    block_positions: Tensor
+    mask: object
+    labels: Tensor
+    counts: Tensor
+    autocast: contextlib.AbstractContextManager
+    seconds: float = 0.0
+    """Time spent measuring, for the cost figure."""
+
+    @classmethod
+    def build(cls, target: nn.Module, tokenizer, drafter, max_seq_len: int, autocast):
+        """The batch from ``paths.HELDOUT``; None when it holds no prompt to continue."""
+        prompts = heldout_prompts(paths.HELDOUT, tokenizer, max_seq_len - NEW_TOKENS)
+        if not prompts:
+            return None
+        device, c = target.get_input_embeddings().weight.device, drafter.config
+        stops = stop_token_ids(tokenizer)
+        answers = [greedy_generate(target, p, NEW_TOKENS, stops) for p in prompts]
+        row = pack(prompts, answers, device)
+        ids, docs, pos = row["input_ids"], row["document_ids"], row["position_ids"]
+        following = torch.cat([docs[:, 1:] == docs[:, :-1], docs.new_zeros(1, 1).bool()], dim=1)
+        anchors = torch.nonzero((row["loss_mask"] == 1) & following)[:, 1][None]
+        slot = torch.arange(c.block_size, device=device)
+        block_ids = torch.where(slot == 0, ids[0, anchors[0]][:, None], c.mask_token_id)
+        labels, counts = block_labels(ids, row["loss_mask"], docs, anchors, c.block_size)
+        with torch.no_grad(), autocast:
+            features = target_features(target, ids, pos, docs, c.target_layer_ids)
+        return cls(
+            features=features,
+            context_positions=pos,
+            document_ids=docs,
+            anchors=anchors[0],
+            block_ids=block_ids.flatten()[None],
+            block_positions=(pos[0, anchors[0]][:, None] + slot).flatten()[None],
+            mask=build_attention_mask(anchors, docs, c.block_size, ids.shape[1]),
+            labels=labels[0],
+            counts=counts[0],
+            autocast=autocast,
+        )
+
+    @torch.no_grad()
+    def block_taus(self, drafter) -> Tensor:
+        """``[A]``: per block, 1 + the drafts accepted before the first miss."""
+        with self.autocast:
+            hidden = drafter(
+                self.block_ids, self.block_positions, self.features, self.context_positions,
+                self.mask,
+            )[0]  # fmt: skip
+            top = torch.cat([drafter.logits(h).argmax(-1) for h in hidden.split(HEAD_CHUNK)])
+        hits = (top.view(self.labels.shape) == self.labels) & self.counts
+        return 1 + hits[:, 1:].long().cumprod(dim=1).sum(dim=1)
+
+    def measure(self, drafter) -> float:
+        """The mean over blocks, timed for the cost figure."""
+        began = time.perf_counter()
+        tau = self.block_taus(drafter).double().mean().item()
+        self.seconds += time.perf_counter() - began
+        return tau
