@@ -62,8 +62,11 @@ DRAFTER_CONFIG = "config.json"
 DRAFTER_WEIGHTS = "model.safetensors"
 """The Hugging Face names serving stacks look for in a drafter directory."""
 CHECKPOINTS = Path("checkpoints")
-CHECKPOINT_NAME = "step_{step:08d}.pt"
-CHECKPOINT_GLOB = "step_*.pt"
+CHECKPOINT_NAME = "step_{step:08d}"
+"""A checkpoint directory: ``torch.distributed.checkpoint`` shards and index, and CHECKPOINT_RUN."""
+CHECKPOINT_GLOB = "step_" + "[0-9]" * 8
+CHECKPOINT_RUN = "run.json"
+"""In a checkpoint directory: the run fingerprint and step, read before any shard."""
 TRAIN_METRICS = Path("metrics/train.json")
 TRAIN_PLOTS = Path("plots/train")
 TRAIN_LOG = TRAIN_PLOTS / "log.csv"

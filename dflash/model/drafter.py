@@ -271,18 +271,25 @@ class DFlashDrafter(nn.Module):
         drafter = cls(config, target.get_input_embeddings(), target.get_output_embeddings())
         return drafter.to(target.get_input_embeddings().weight.device)
 
-    def save_pretrained(self, directory: str | Path, target_config: Any = None) -> None:
+    def save_pretrained(
+        self,
+        directory: str | Path,
+        target_config: Any = None,
+        weights: dict[str, Tensor] | None = None,
+    ) -> None:
         """``config.json`` and ``model.safetensors`` with the drafter's own weights only.
 
         Weights are saved in the dtype the target runs in (bf16 on CUDA), which is what serving
         stacks load the draft in; ``target_config`` adds the keys they size the draft by.
+        ``weights`` replaces ``state_dict()`` for a sharded drafter (its whole, gathered state).
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         dtype = self.borrowed.embed_tokens.weight.dtype
         config = self.config.to_dict(target_config, dtype)
         (directory / paths.DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+        weights = self.state_dict() if weights is None else weights
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
         save_file(state, directory / paths.DRAFTER_WEIGHTS, metadata={"format": "pt"})
 
     @classmethod

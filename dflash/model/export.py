@@ -85,9 +85,14 @@ def loader_notes(config: Any) -> list[str]:
     ]
 
 
-def export_drafter(drafter: Any, out: Path, target_config: Any = None) -> None:
-    """Write the Hugging Face style drafter directory whole or not at all, and say what to check."""
+def export_drafter(
+    drafter: Any, out: Path, target_config: Any = None, weights: dict | None = None
+) -> None:
+    """Write the Hugging Face style drafter directory whole or not at all, and say what to check.
+
+    ``weights`` are the drafter's whole parameters when it is sharded (gathered beforehand).
+    """
     with atomic_dir(out) as tmp:
-        drafter.save_pretrained(tmp, target_config)
+        drafter.save_pretrained(tmp, target_config, weights)
     for note in loader_notes(drafter.config):
         print(f"[export] {out}: {note}")
