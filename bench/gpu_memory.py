@@ -1,10 +1,12 @@
-"""GPU memory of the README recipe, on paper: Qwen3-8B target in bf16, 5-layer drafter.
+"""GPU memory of the README recipe, on paper: bf16 targets, 5-layer drafter, DDP and FSDP.
 
-``python bench/gpu_memory.py`` prints the per-component memory of one micro-batch at the
-recipe's ``token_budget`` and the largest ``token_budget`` that fits 80 GB and 96 GB per GPU,
-with and without recomputing the drafter layers in backward (a lever this project does not
-implement yet: the column says what it would buy). The formulas are those of
-``bench/memory_model.py``, which ``bench/step_memory.py`` checks against measured CPU peaks.
+``python bench/gpu_memory.py`` prints the per-component memory of one micro-batch of the
+Qwen3-8B recipe at its ``token_budget``, then for Qwen3-8B, Qwen3-32B and Llama-3.1-70B under
+``train.parallelism`` ddp and fsdp (8 GPUs) the memory per GPU and the largest
+``token_budget`` that fits 80 GB and 96 GB, with and without recomputing the drafter layers
+in backward (a lever this project does not implement yet: the columns say what it would buy).
+The formulas are those of ``bench/memory_model.py``, which ``bench/step_memory.py`` checks
+against measured CPU peaks.
 
 Rows are the recipe's packed 4,096-token rows, each holding two documents of the seeds' mean
 length (about 2,000 tokens) with the recipe's 512 anchors each: 1,024 x 16 block slots per row,
@@ -14,6 +16,7 @@ length (about 2,000 tokens) with the recipe's 512 anchors each: 1,024 x 16 block
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from memory_model import Batch, Dims, components
 
@@ -29,6 +32,17 @@ QWEN3_8B = Dims(
     features=5,
     block_size=16,
 )
+TARGETS = {
+    "Qwen3-8B": QWEN3_8B,
+    "Qwen3-32B": replace(
+        QWEN3_8B, hidden=5120, target_layers=64, intermediate=25600, heads=64, kv_heads=8
+    ),
+    "Llama-3.1-70B": replace(
+        QWEN3_8B, vocab=128256, hidden=8192, target_layers=80, intermediate=28672, heads=64
+    ),
+}
+"""Public configs of three target sizes, each with the recipe's 5-layer, 5-feature drafter."""
+GPUS = 8
 BF16 = 2
 GB = 1e9
 RESERVED_GB = 4.0
@@ -39,31 +53,32 @@ def batch_of(token_budget: int, row_len: int, anchors: int) -> Batch:
     return Batch(rows=max(1, token_budget // row_len), row_len=row_len, anchors=anchors)
 
 
-def total_gb(token_budget: int, args: argparse.Namespace, checkpoint_layers: bool) -> float:
+def total_gb(
+    token_budget: int, args: argparse.Namespace, checkpoint_layers: bool, dims=QWEN3_8B, shards=1
+) -> float:
     parts = components(
-        QWEN3_8B,
+        dims,
         batch_of(token_budget, args.row_len, args.anchors),
         act_bytes=BF16,
         weight_bytes=BF16,
         checkpoint_layers=checkpoint_layers,
+        shards=shards,
     )
     return sum(parts.values()) / GB + RESERVED_GB
 
 
-def largest_budget(capacity_gb: float, args: argparse.Namespace, checkpoint_layers: bool) -> int:
+def largest_budget(
+    capacity_gb: float, args: argparse.Namespace, checkpoint_layers: bool, dims=QWEN3_8B, shards=1
+) -> int:
     """Largest multiple of the row length whose step fits ``capacity_gb`` (0 if none does)."""
     rows = 0
-    while total_gb((rows + 1) * args.row_len, args, checkpoint_layers) <= capacity_gb:
+    while total_gb((rows + 1) * args.row_len, args, checkpoint_layers, dims, shards) <= capacity_gb:
         rows += 1
     return rows * args.row_len
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--token-budget", type=int, default=8192)
-    parser.add_argument("--row-len", type=int, default=4096, help="tokens per (packed) row")
-    parser.add_argument("--anchors", type=int, default=1024, help="anchors per row")
-    args = parser.parse_args()
+def recipe_table(args: argparse.Namespace) -> None:
+    """Qwen3-8B under DDP, component by component, with and without recomputation."""
     batch = batch_of(args.token_budget, args.row_len, args.anchors)
     print(
         f"Qwen3-8B target (bf16), {QWEN3_8B.drafter_layers}-layer drafter, "
@@ -81,13 +96,35 @@ def main() -> None:
         f"| **total** | **{total_gb(args.token_budget, args, False):,.1f}** | "
         f"**{total_gb(args.token_budget, args, True):,.1f}** |\n"
     )
-    print("| GPU | largest token_budget | if layers were recomputed |")
-    print("|---|---|---|")
-    for capacity in (80, 96):
-        print(
-            f"| {capacity} GB | {largest_budget(capacity, args, False):,} | "
-            f"{largest_budget(capacity, args, True):,} |"
-        )
+
+
+def modes_table(args: argparse.Namespace) -> None:
+    """Every target under DDP and FSDP over 8 GPUs: GB per GPU, largest token_budget."""
+    print(
+        f"| target | mode | GB per GPU at {args.token_budget:,} | largest token_budget, 80 GB "
+        "| 96 GB | 80 GB, layers recomputed | 96 GB, layers recomputed |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, dims in TARGETS.items():
+        for mode, shards in (("ddp", 1), ("fsdp", GPUS)):
+            gb = total_gb(args.token_budget, args, False, dims, shards)
+            fits = [
+                largest_budget(capacity, args, recompute, dims, shards)
+                for recompute in (False, True)
+                for capacity in (80, 96)
+            ]
+            cells = " | ".join(f"{n:,}" if n else "does not fit" for n in fits)
+            print(f"| {name} | {mode} | {gb:,.1f} | {cells} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--token-budget", type=int, default=8192)
+    parser.add_argument("--row-len", type=int, default=4096, help="tokens per (packed) row")
+    parser.add_argument("--anchors", type=int, default=1024, help="anchors per row")
+    args = parser.parse_args()
+    recipe_table(args)
+    modes_table(args)
 
 
 if __name__ == "__main__":

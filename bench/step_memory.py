@@ -5,7 +5,9 @@
 the flags alone (no files), runs one training step on one micro-batch (target features, drafter
 forward, loss, backward, AdamW step) and prints one JSON line. Peak RSS is the whole process's
 high-water mark, so run one shape per process: ``--table`` does that for a grid of sequence
-lengths and anchor counts and prints a Markdown table.
+lengths and anchor counts and prints a Markdown table. ``--parallelism {ddp,fsdp}
+--world-size 2`` runs the step on 2 gloo ranks instead and adds what each rank holds
+(``bench/sharded_step.py``).
 
 What carries over to a GPU is the growth, not the seconds: a shape whose step does not fit in
 CPU memory holds the same tensors on a GPU.
@@ -39,10 +41,9 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def build_models(args: argparse.Namespace) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
-    torch.manual_seed(0)
+def target_config(args: argparse.Namespace) -> Qwen3Config:
     heads = max(1, args.hidden // HEAD_DIM)
-    config = Qwen3Config(
+    return Qwen3Config(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
         num_hidden_layers=args.layers,
@@ -52,8 +53,34 @@ def build_models(args: argparse.Namespace) -> tuple[Qwen3ForCausalLM, DFlashDraf
         intermediate_size=3 * args.hidden,
         max_position_embeddings=max(args.seq_len, 4096),
     )
+
+
+def feature_count(args: argparse.Namespace) -> int:
+    return args.target_features or min(3, max(1, args.layers - 3))
+
+
+def dims_of(args: argparse.Namespace) -> Dims:
+    """The memory model's sizes of the flags' target and drafter."""
+    c = target_config(args)
+    return Dims(
+        vocab=args.vocab,
+        hidden=args.hidden,
+        target_layers=args.layers,
+        intermediate=c.intermediate_size,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        drafter_layers=args.drafter_layers,
+        features=feature_count(args),
+        block_size=args.block_size,
+    )
+
+
+def build_models(args: argparse.Namespace) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
+    torch.manual_seed(0)
+    config = target_config(args)
     target = Qwen3ForCausalLM(config).eval().requires_grad_(False)
-    features = args.target_features or min(3, max(1, args.layers - 3))
+    features = feature_count(args)
     drafter = DFlashDrafter.from_target(
         target,
         block_size=args.block_size,
@@ -90,23 +117,10 @@ def limit_memory(gib: float | None) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def predicted_mib(args: argparse.Namespace, drafter: DFlashDrafter) -> float:
+def predicted_mib(args: argparse.Namespace) -> float:
     """The memory model's figure for this step in fp32, on top of the bare process."""
-    c = drafter.config
-    dims = Dims(
-        vocab=args.vocab,
-        hidden=args.hidden,
-        target_layers=args.layers,
-        intermediate=c.intermediate_size,
-        heads=c.num_attention_heads,
-        kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        drafter_layers=args.drafter_layers,
-        features=len(c.target_layer_ids),
-        block_size=args.block_size,
-    )
     batch = Batch(rows=args.rows, row_len=args.seq_len, anchors=args.anchors)
-    return step_bytes(dims, batch, act_bytes=4, weight_bytes=4) / MIB
+    return step_bytes(dims_of(args), batch, act_bytes=4, weight_bytes=4) / MIB
 
 
 def one_step(args: argparse.Namespace) -> dict:
@@ -126,7 +140,7 @@ def one_step(args: argparse.Namespace) -> dict:
     return {
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "models_rss_mib": round(rss_models, 1),
-        "predicted_peak_rss_mib": round(bare + predicted_mib(args, drafter), 1),
+        "predicted_peak_rss_mib": round(bare + predicted_mib(args), 1),
         "step_s": round(step_s, 3),
         "tokens": args.rows * args.seq_len,
         "anchors": int((anchors >= 0).sum()),
@@ -183,6 +197,8 @@ def main() -> None:
     parser.add_argument("--drafter-layers", type=int, default=1)
     parser.add_argument("--target-features", type=int, default=None)
     parser.add_argument("--max-gib", type=float, default=None, help="address-space cap")
+    parser.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp")
+    parser.add_argument("--world-size", type=int, default=1, help="gloo ranks")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of text")
     parser.add_argument("--table", action="store_true", help="seq-len x anchors grid, Markdown")
     args = parser.parse_args()
@@ -190,7 +206,12 @@ def main() -> None:
         table(args)
         return
     limit_memory(args.max_gib)
-    result = one_step(args)
+    if args.world_size > 1:
+        from sharded_step import run  # noqa: PLC0415 - it imports this module's helpers
+
+        result = run(args)
+    else:
+        result = one_step(args)
     print(json.dumps(result) if args.json else "\n".join(f"{k}: {v}" for k, v in result.items()))
 
 

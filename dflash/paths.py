@@ -68,8 +68,11 @@ DRAFTER_CODE = "dflash.py"
 DRAFTER_CARD = "README.md"
 """The model card: serving commands, training params, figures."""
 CHECKPOINTS = Path("checkpoints")
-CHECKPOINT_NAME = "step_{step:08d}.pt"
-CHECKPOINT_GLOB = "step_*.pt"
+CHECKPOINT_NAME = "step_{step:08d}"
+"""A checkpoint directory: ``torch.distributed.checkpoint`` shards and index, and CHECKPOINT_RUN."""
+CHECKPOINT_GLOB = "step_" + "[0-9]" * 8
+CHECKPOINT_RUN = "run.json"
+"""In a checkpoint directory: the run fingerprint and step, read before any shard."""
 TRAIN_LOCK = CHECKPOINTS / "train.lock"
 """Held (``flock``) by the one training run of a workspace; holds its PID."""
 TRAIN_METRICS = Path("metrics/train.json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 
 import numpy as np
@@ -15,14 +16,16 @@ from dflash import paths
 from dflash.model.export import export_drafter
 from dflash.params import load_config
 from dflash.train import checkpoint
+from dflash.train.dcp_safe import SafeReader
+from dflash.train.state import TrainState, rng_state, set_rng_state
 
 ONE_PROCESS = ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1000"]
 
 
 def test_rng_state_round_trips_through_plain_types():
-    state = checkpoint.rng_state()
+    state = rng_state()
     draws = (random.random(), np.random.rand(), torch.rand(1).item())
-    checkpoint.set_rng_state(state)
+    set_rng_state(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
 
 
@@ -51,8 +54,13 @@ def test_changed_tokens_at_equal_lengths_start_fresh(tiny_workspace, capsys):
     first = load_file(tiny_workspace / paths.DRAFTER / "model.safetensors")
     saved = checkpoint.list_checkpoints(tiny_workspace / paths.CHECKPOINTS)
     assert saved, "the run ends with a checkpoint"
-    state = torch.load(saved[0], map_location="cpu", weights_only=True)
-    assert set(state) == {"fingerprint", "drafter", "optimizer", "scheduler", "state", "rng"}
+    index = SafeReader(saved[0]).read_metadata().state_dict_metadata
+    assert {key.split(".")[0] for key in index} == {
+        "train_state",
+        "drafter",
+        "optimizer",
+        "scheduler",
+    }
 
     run_stages(tiny_workspace, ["train"], ONE_PROCESS)
     assert "resumed at epoch 1" in capsys.readouterr().out
@@ -70,9 +78,41 @@ class Opaque:
 
 
 def test_a_pickled_object_in_a_checkpoint_is_refused(tmp_path):
-    checkpoint.save_checkpoint(tmp_path, 1, {"fingerprint": "f", "x": Opaque()}, keep=3)
-    state, skipped = checkpoint.load_latest(tmp_path, "f")
-    assert state is None and "unreadable" in skipped[0]
+    checkpoint.save_checkpoint(tmp_path, 1, {"x": {"obj": Opaque()}}, "f", keep=3)
+    step, skipped = checkpoint.load_latest(tmp_path, "f", {"x": {"obj": None}})
+    assert step is None and "unreadable" in skipped[0]
+
+
+def test_an_index_naming_other_code_is_refused(tmp_path):
+    checkpoint.save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, "f", keep=3)
+    index = checkpoint.checkpoint_path(tmp_path, 1) / ".metadata"
+    index.write_bytes(pickle.dumps(Opaque()))
+    with pytest.raises(pickle.UnpicklingError, match="refused"):
+        SafeReader(index.parent).read_metadata()
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_previous(tmp_path):
+    for step in (1, 2):
+        parts = {"w": torch.full((3,), float(step)), "state": {"step": step}}
+        checkpoint.save_checkpoint(tmp_path, step, parts, "f", keep=3)
+    newest = checkpoint.checkpoint_path(tmp_path, 2)
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:50])
+    into = {"w": torch.zeros(3), "state": {"step": 0}}
+    step, skipped = checkpoint.load_latest(tmp_path, "f", into)
+    assert step == 1 and into["w"].tolist() == [1.0] * 3 and into["state"]["step"] == 1
+    assert "digest mismatch" in skipped[0]
+    step, skipped = checkpoint.load_latest(tmp_path, "other-run", into)
+    assert step is None and len(skipped) == 2
+
+
+def test_train_state_round_trips_with_its_rng():
+    state = TrainState(epoch=1, global_step=7, epoch_loss=[(0, 1.5, 2.0)], rows=[{"step": 7}])
+    saved = state.state_dict()
+    draw = torch.rand(1).item()
+    fresh = TrainState()
+    fresh.load_state_dict(saved)
+    assert fresh == state and torch.rand(1).item() == draw
 
 
 @pytest.mark.parametrize("fail_after", [0, 1])
@@ -83,7 +123,7 @@ def test_export_is_whole_or_absent(tmp_path, monkeypatch, fail_after):
     (out / "model.safetensors").write_text("old")
 
     class Drafter:
-        def save_pretrained(self, directory, target_config):
+        def save_pretrained(self, directory, target_config, weights=None):
             (directory / "config.json").write_text("new")
             if fail_after == 0:
                 raise KeyboardInterrupt

@@ -281,21 +281,27 @@ class DFlashDrafter(nn.Module):
         return drafter.to(target.get_input_embeddings().weight.device)
 
     def save_pretrained(
-        self, directory: str | Path, target_config: Any = None, dtype: torch.dtype | None = None
+        self,
+        directory: str | Path,
+        target_config: Any = None,
+        dtype: torch.dtype | None = None,
+        weights: dict[str, Tensor] | None = None,
     ) -> None:
         """``config.json``, ``model.safetensors`` (the drafter's own weights only) and the
         remote-code ``dflash.py`` its ``auto_map`` names.
 
         Weights are saved in ``dtype``, by default the one the target runs in here (bf16 on
         CUDA), which is what serving stacks load the draft in; ``target_config`` adds the keys
-        they size the draft by.
+        they size the draft by. ``weights`` replaces ``state_dict()`` for a sharded drafter (its
+        whole, gathered state).
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.borrowed.embed_tokens.weight.dtype
         config = self.config.to_dict(target_config, dtype)
         (directory / paths.DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+        weights = self.state_dict() if weights is None else weights
+        state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
         save_file(state, directory / paths.DRAFTER_WEIGHTS, metadata={"format": "pt"})
         shutil.copyfile(remote.__file__, directory / paths.DRAFTER_CODE)
 

@@ -102,9 +102,11 @@ def export_dtype(setting: str, target_dir: Path = paths.TARGET) -> torch.dtype |
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def export_run(drafter: Any, config: Any, target_config: Any, training: dict) -> None:
+def export_run(
+    drafter: Any, config: Any, target_config: Any, training: dict, weights: dict | None = None
+) -> None:
     """A training run's export: in ``export.dtype``, with a model card of its params and
-    ``training``'s figures."""
+    ``training``'s figures; ``weights`` as for ``export_drafter``."""
     dtype = export_dtype(config.export.dtype) or drafter.borrowed.embed_tokens.weight.dtype
     card = model_card(
         drafter.config.to_dict(target_config, dtype),
@@ -112,7 +114,7 @@ def export_run(drafter: Any, config: Any, target_config: Any, training: dict) ->
         declared_params(config),
         training,
     )
-    export_drafter(drafter, paths.DRAFTER, target_config, dtype, card)
+    export_drafter(drafter, paths.DRAFTER, target_config, dtype, card, weights)
 
 
 def loader_notes(config: Any) -> list[str]:
@@ -135,10 +137,14 @@ def export_drafter(
     target_config: Any = None,
     dtype: torch.dtype | None = None,
     card: str | None = None,
+    weights: dict | None = None,
 ) -> None:
-    """Write the Hugging Face style drafter directory whole or not at all, and say what to check."""
+    """Write the Hugging Face style drafter directory whole or not at all, and say what to check.
+
+    ``weights`` are the drafter's whole parameters when it is sharded (gathered beforehand).
+    """
     with atomic_dir(out) as tmp:
-        drafter.save_pretrained(tmp, target_config, dtype)
+        drafter.save_pretrained(tmp, target_config, dtype, weights)
         if card is not None:
             (tmp / paths.DRAFTER_CARD).write_text(card)
     for note in loader_notes(drafter.config):

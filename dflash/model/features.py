@@ -10,6 +10,7 @@ features its documents would yield one by one.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -54,16 +55,27 @@ def one_document_per_row(document_ids: Tensor) -> bool:
     return bool((document_ids[real] == 0).all() and not (real[:, 1:] & ~real[:, :-1]).any())
 
 
-class _Enough(Exception):
-    """Raised by the hook of the deepest fused layer: the layers above it are never run."""
-
-
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
     """The decoder layers of a Hugging Face causal LM (Qwen3, Llama and their kin)."""
     layers = getattr(target.base_model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"{type(target).__name__}: no decoder layers at base_model.layers")
     return layers
+
+
+@contextlib.contextmanager
+def _first_layers(target: nn.Module, n: int) -> Iterator[None]:
+    """Run the decoder stack over its first ``n`` layers only (then its final norm, cheap).
+
+    Cutting the list rather than raising out of a hook lets every module's forward finish,
+    which a sharded (FSDP2) target needs to free the layers it gathered.
+    """
+    base, layers = target.base_model, decoder_layers(target)
+    base.layers = layers[:n]
+    try:
+        yield
+    finally:
+        base.layers = layers
 
 
 @torch.no_grad()
@@ -91,8 +103,6 @@ def target_features(
     def capture(index: int):
         def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
             captured[index] = output[0] if isinstance(output, tuple) else output
-            if index == deepest:
-                raise _Enough
 
         return hook
 
@@ -103,12 +113,10 @@ def target_features(
         layout = {"document_layout": DocumentLayout.of(document_ids)}
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        with packing:
+        with packing, _first_layers(target, deepest + 1):
             target.base_model(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, **layout
             )
-    except _Enough:
-        pass
     finally:
         for handle in handles:
             handle.remove()

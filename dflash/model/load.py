@@ -32,11 +32,13 @@ def resolve_target_path(path_or_dir: str | Path) -> str:
 
 
 def load_target(
-    path_or_dir: str | Path, device: torch.device | str | None = None
+    path_or_dir: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> PreTrainedModel:
-    """Load the target frozen and in eval mode, in the dtype that suits ``device``."""
+    """Load the target frozen and in eval mode, in ``dtype`` or the one that suits ``device``."""
     device = torch.device(device) if device is not None else target_device_dtype()[0]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = AutoModelForCausalLM.from_pretrained(
         resolve_target_path(path_or_dir), dtype=dtype, local_files_only=True
     )

@@ -1,108 +1,169 @@
-"""Atomic, verified training checkpoints, and saving and resuming a run with them.
+"""Atomic, verified checkpoints of named ``Stateful`` parts, through torch.distributed.checkpoint.
 
-A checkpoint is written to a temporary file, fsynced and renamed, and its SHA-256 is written
-beside it last; one without a matching digest (killed mid-write, truncated, bit-rotted) is
-skipped on resume and the one before it is used. A ``run_fingerprint`` of everything the
-weights depend on (params, token contents, plans, target, tokenizer, code) keeps a rerun
-from resuming a checkpoint that belongs to another run. Checkpoints hold state dicts and
-plain types only, so they load with ``torch.load(weights_only=True)``: no pickled code runs.
+The caller hands over the parts (``TrainState``, drafter, optimizer, scheduler: anything with
+``state_dict``/``load_state_dict``); this module knows nothing of the trainer. Every rank writes
+its own shards into a temporary directory, which rank 0 fsyncs and renames, and the SHA-256 of
+the directory is written beside it last; one without a matching digest (killed mid-write,
+truncated, bit-rotted) is skipped on resume and the one before it is used. A
+``run_fingerprint`` of everything the weights depend on (params, token contents, plans,
+target, tokenizer, code) keeps a rerun from resuming a checkpoint of another run. Checkpoints
+hold tensors and plain types only and are read without running pickled code
+(:mod:`dflash.train.dcp_safe`).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import random
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
-import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from dflash import paths
 from dflash.closure import code_digest
 from dflash.config import Config
 from dflash.declaration import declared_params, restrict, stages
-from dflash.fileio import atomic_path, remove_files, sha256_file, write_text_atomic
+from dflash.fileio import remove_files, write_text_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.load import target_digest
-from dflash.train.distributed import barrier
-
-if TYPE_CHECKING:
-    from dflash.train.loop import Trainer
+from dflash.train.dcp_safe import SafeLoadPlanner, SafeReader
+from dflash.train.distributed import Dist, barrier
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
     return directory / paths.CHECKPOINT_NAME.format(step=step)
 
 
-def save_checkpoint(directory: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_path(directory, step)
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    write_text_atomic(_digest_path(path), sha256_file(path), fsync=True)
-    _fsync_dir(directory)
-    for old in list_checkpoints(directory)[keep:]:
-        remove_checkpoint(old)
-    return path
-
-
 def step_of(path: Path) -> int:
-    return int(path.stem.rpartition("_")[2])
-
-
-def remove_checkpoint(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    _digest_path(path).unlink(missing_ok=True)
+    return int(path.name.rpartition("_")[2])
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint files, newest (highest step) first."""
+    """Checkpoint directories, newest (highest step) first."""
     if not directory.exists():
         return []
-    return sorted(directory.glob(paths.CHECKPOINT_GLOB), reverse=True)
+    return sorted((p for p in directory.glob(paths.CHECKPOINT_GLOB) if p.is_dir()), reverse=True)
 
 
-def load_latest(directory: Path, fingerprint: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """The newest intact checkpoint of this run, and why each newer one was passed over."""
-    skipped: list[str] = []
-    for path in list_checkpoints(directory):
-        digest = _digest_path(path)
-        if not digest.exists():
-            skipped.append(f"{path.name}: no digest (write did not finish)")
-            continue
-        if digest.read_text().strip() != sha256_file(path):
-            skipped.append(f"{path.name}: digest mismatch (truncated or corrupt)")
-            continue
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # noqa: BLE001 - any unreadable file is skipped, and said so
-            skipped.append(f"{path.name}: unreadable ({type(err).__name__}: {err})")
-            continue
-        if state.get("fingerprint") != fingerprint:
-            skipped.append(f"{path.name}: belongs to another run (params, plan or data differ)")
-            continue
-        return state, skipped
-    return None, skipped
+def remove_checkpoint(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    _digest_path(path).unlink(missing_ok=True)
 
 
 def remove_checkpoints(directory: Path) -> None:
-    for path in directory.glob(paths.CHECKPOINT_GLOB + "*"):
-        path.unlink(missing_ok=True)
+    """Every checkpoint, digest and unfinished write; other files (a lock) are left alone."""
+    for path in directory.glob("step_*"):
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _digest_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (itself without a process group)."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_checkpoint(
+    directory: Path, step: int, parts: Mapping[str, Any], fingerprint: str, keep: int
+) -> Path:
+    """Write ``parts`` as checkpoint ``step`` whole or not at all (collective: all ranks call)."""
+    path = checkpoint_path(directory, step)
+    tmp = path.with_name(path.name + ".tmp")
+    main = not _distributed() or dist.get_rank() == 0
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()  # the directory exists before any rank writes into it
+    dcp.save(dict(parts), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    if main:
+        info = json.dumps({"fingerprint": fingerprint, "step": step})
+        write_text_atomic(tmp / paths.CHECKPOINT_RUN, info, fsync=True)
+        _fsync(tmp)
+        remove_checkpoint(path)
+        tmp.rename(path)
+        _fsync(directory)
+        write_text_atomic(_digest_path(path), path_digest(path), fsync=True)
+        _fsync(directory)
+        for old in list_checkpoints(directory)[keep:]:
+            remove_checkpoint(old)
+    _barrier()
+    return path
+
+
+def _intact(path: Path, fingerprint: str) -> str | None:
+    """Why checkpoint ``path`` cannot be resumed by this run, or None when it can."""
+    digest_file = _digest_path(path)
+    if not digest_file.exists():
+        return "no digest (write did not finish)"
+    if digest_file.read_text().strip() != path_digest(path):
+        return "digest mismatch (truncated or corrupt)"
+    try:
+        info = json.loads((path / paths.CHECKPOINT_RUN).read_text())
+    except (OSError, ValueError) as err:
+        return f"unreadable run info ({type(err).__name__})"
+    if info.get("fingerprint") != fingerprint:
+        return "belongs to another run (params, plan or data differ)"
+    return None
+
+
+def _candidates(directory: Path, fingerprint: str) -> tuple[list[Path], list[str]]:
+    usable, skipped = [], []
+    for path in list_checkpoints(directory):
+        reason = _intact(path, fingerprint)
+        if reason is None:
+            usable.append(path)
+        else:
+            skipped.append(f"{path.name}: {reason}")
+    return usable, skipped
+
+
+def load_latest(
+    directory: Path, fingerprint: str, parts: Mapping[str, Any]
+) -> tuple[int | None, list[str]]:
+    """Load the newest intact checkpoint of this run into ``parts`` (collective).
+
+    Returns its step, or None, and why each newer one was passed over. Rank 0 checks the
+    digests and fingerprints (one read of the files, not one per rank) and tells the others.
+    """
+    usable, skipped = _broadcast(_candidates(directory, fingerprint))
+    for path in usable:
+        try:
+            dcp.load(dict(parts), storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - skipped, and said so
+            skipped.append(f"{path.name}: unreadable ({type(err).__name__}: {err})"[:500])
+            continue
+        return step_of(path), skipped
+    return None, skipped
 
 
 def run_fingerprint(config: Config) -> str:
@@ -126,82 +187,29 @@ def run_fingerprint(config: Config) -> str:
     )
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's Python, NumPy and torch generator states as tensors and plain types."""
-    version, words, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": [version, list(words), gauss],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-    }
-
-
-def set_rng_state(rng: dict[str, Any]) -> None:
-    version, words, gauss = rng["python"]
-    random.setstate((version, tuple(words), gauss))
-    kind, keys, pos, has_gauss, cached = rng["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(rng["torch"])
-
-
-def save(trainer: Trainer) -> None:
-    """Checkpoint the run at its current step (all ranks call it; rank 0 writes)."""
-    ctx = trainer.ctx
-    gathered: list[Any] = [rng_state()]
-    if ctx.enabled:
-        gathered = [None] * ctx.world_size
-        torch.distributed.all_gather_object(gathered, rng_state())
-    if ctx.is_main:
-        save_checkpoint(
-            paths.CHECKPOINTS,
-            trainer.state["global_step"],
-            {
-                "fingerprint": trainer.fingerprint,
-                "drafter": trainer.drafter.state_dict(),
-                "optimizer": trainer.optimizer.state_dict(),
-                "scheduler": trainer.scheduler.state_dict(),
-                "state": trainer.state,
-                "rng": gathered,
-            },
-            keep=trainer.config.train.keep_checkpoints,
-        )
-    barrier(ctx)
-
-
-def resume(trainer: Trainer) -> None:
-    """Load the newest intact checkpoint of this run into ``trainer``, or start fresh."""
-    ctx = trainer.ctx
+def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str) -> int | None:
+    """Load the newest intact checkpoint of this run into ``parts`` (its step), or start fresh."""
     if ctx.is_main:
         # A run under way has no final metrics: a kill before it ends must not leave the
         # previous run's beside a new drafter (the metrics are written last, after export).
         remove_files(paths.TRAIN_METRICS)
-    saved, skipped = load_latest(paths.CHECKPOINTS, trainer.fingerprint)
+    step, skipped = load_latest(paths.CHECKPOINTS, fingerprint, parts)
     if ctx.is_main:
         for reason in skipped:
             print(f"[train] skipping checkpoint {reason}")
-    barrier(ctx)
-    if saved is None:
-        if ctx.is_main and list_checkpoints(paths.CHECKPOINTS):
-            print("[train] no checkpoint of this run: starting fresh, old ones removed")
-            remove_checkpoints(paths.CHECKPOINTS)
-        barrier(ctx)
-        return
-    if ctx.is_main:
-        # Newer files passed over (unfinished, corrupt, another run's) would otherwise be
+    if step is None and any("unreadable (" in reason for reason in skipped):
+        raise RuntimeError(
+            "a checkpoint of this run passed its digest but could not be loaded, and loading "
+            "may have changed the drafter in part; remove checkpoints/ to start fresh"
+        )
+    if ctx.is_main and step is None and list_checkpoints(paths.CHECKPOINTS):
+        print("[train] no checkpoint of this run: starting fresh, old ones removed")
+        remove_checkpoints(paths.CHECKPOINTS)
+    if ctx.is_main and step is not None:
+        # Newer ones passed over (unfinished, corrupt, another run's) would otherwise be
         # counted as "newest" when pruning and crowd out the checkpoints this run writes.
         for path in list_checkpoints(paths.CHECKPOINTS):
-            if step_of(path) > saved["state"]["global_step"]:
+            if step_of(path) > step:
                 remove_checkpoint(path)
-    trainer.drafter.load_state_dict(saved["drafter"])
-    trainer.optimizer.load_state_dict(saved["optimizer"])
-    trainer.scheduler.load_state_dict(saved["scheduler"])
-    trainer.state = saved["state"]
-    if ctx.rank < len(saved["rng"]) and saved["rng"][ctx.rank] is not None:
-        set_rng_state(saved["rng"][ctx.rank])
-    if ctx.is_main:
-        s = trainer.state
-        print(
-            f"[train] resumed at epoch {s['epoch']} step {s['step_in_epoch']} "
-            f"(global step {s['global_step']})"
-        )
+    barrier(ctx)
+    return step

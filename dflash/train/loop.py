@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash import paths
@@ -28,30 +27,25 @@ from dflash.fileio import remove_files, write_json_atomic
 from dflash.fingerprint import path_digest
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_run
-from dflash.model.load import load_target
+from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
 from dflash.train.batches import MicroBatch, StepDataset, make_loader
 from dflash.train.distributed import Dist, barrier, init_distributed, shutdown
 from dflash.train.monitor import Monitor
+from dflash.train.parallel import (
+    borrowed_unsharded,
+    clip_grad_norm,
+    mesh,
+    shard_target,
+    sharded,
+    wrap_drafter,
+)
+from dflash.train.parts import ModelPart, OptimizerPart, full_model_state
 from dflash.train.plan_check import check_epoch_file, check_plan
 from dflash.train.simulated import SimulatedTau
+from dflash.train.state import TrainState
 from dflash.train.step import forward_backward
-
-
-class DrafterDDP(DistributedDataParallel):
-    """DDP that also exposes what the objective reads from the drafter besides its forward.
-
-    ``head`` is the frozen, borrowed LM head, so using it outside DDP's forward leaves
-    gradient synchronisation untouched.
-    """
-
-    @property
-    def config(self):
-        return self.module.config
-
-    def head(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.module.head()
 
 
 class TrainingError(RuntimeError):
@@ -77,7 +71,7 @@ class Trainer:
         self.epoch_steps = [e["n_steps"] for e in self.plan_meta["epochs"]][: config.train.epochs]
         self.total_steps = sum(self.epoch_steps)
 
-        self.target = load_target(paths.TARGET, device=ctx.device)
+        self.target = self._load_target()
         tokenizer = load_tokenizer(paths.TOKENIZER)
         mask_token_id = tokenizer.mask_token_id
         d = config.drafter
@@ -91,9 +85,9 @@ class Trainer:
             seed=config.train.seed,
         ).to(ctx.device)
         self.layer_ids = self.drafter.config.target_layer_ids
-        self.model = DrafterDDP(self.drafter) if ctx.enabled else self.drafter
-        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         t = config.train
+        self.model = wrap_drafter(self.drafter, ctx, t.parallelism)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.params,
             lr=t.lr,
@@ -115,20 +109,31 @@ class Trainer:
             self.target, tokenizer, self.drafter, config.data.max_seq_len, self.autocast
         )
         self.fingerprint = checkpoint.run_fingerprint(config)
-        self.state: dict[str, Any] = {
-            "epoch": 0,
-            "step_in_epoch": 0,
-            "global_step": 0,
-            "nonfinite_in_a_row": 0,
-            "skipped_steps": 0,
-            "elapsed_s": 0.0,
-            "data_wait_s": 0.0,
-            "real_tokens": 0,
-            "padded_tokens": 0,
-            "epoch_loss": [],
-            "rows": [],
+        self.state = TrainState()
+        self.parts = {
+            "train_state": self.state,
+            "drafter": ModelPart(self.drafter),
+            "optimizer": OptimizerPart(self.drafter, self.optimizer),
+            "scheduler": self.scheduler,
         }
-        checkpoint.resume(self)
+        if checkpoint.resume(ctx, self.parts, self.fingerprint) is not None and ctx.is_main:
+            s = self.state
+            print(
+                f"[train] resumed at epoch {s.epoch} step {s.step_in_epoch} "
+                f"(global step {s.global_step})"
+            )
+
+    def _load_target(self):
+        """The frozen target, whole on this rank's device or sharded over the ranks.
+
+        Sharded, it is read into host memory and moved to the device a layer at a time as it
+        is sharded, so no device ever holds it whole.
+        """
+        if not sharded(self.ctx, self.config.train.parallelism):
+            return load_target(paths.TARGET, device=self.ctx.device)
+        target = load_target(paths.TARGET, device="cpu", dtype=target_device_dtype()[1])
+        shard_target(target, mesh(self.ctx))
+        return target
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> None:
@@ -140,25 +145,20 @@ class Trainer:
         t = self.config.train
         if self.ctx.is_main:
             remove_files(paths.TRAIN_METRICS)
+        s = self.state
         monitor = (
-            Monitor(
-                self.config,
-                paths.TRAIN_PLOTS,
-                self.state["rows"],
-                self.state.setdefault("history", {}),
-            )
-            if self.ctx.is_main
-            else None
+            Monitor(self.config, paths.TRAIN_PLOTS, s.rows, s.history) if self.ctx.is_main else None
         )
-        while self.state["epoch"] < t.epochs:
-            self._run_epoch(self.state["epoch"], monitor)
-            self.state["epoch"] += 1
-            self.state["step_in_epoch"] = 0
-        checkpoint.save(self)
+        while s.epoch < t.epochs:
+            self._run_epoch(s.epoch, monitor)
+            s.epoch += 1
+            s.step_in_epoch = 0
+        self._save()
         summary = self._summary()
+        weights = full_model_state(self.drafter)
         if self.ctx.is_main:
             summary |= monitor.stability()
-            export_run(self.drafter, self.config, self.target.config, summary)
+            export_run(self.drafter, self.config, self.target.config, summary, weights)
             summary["drafter_sha256"] = path_digest(paths.DRAFTER)
             write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
             monitor.finish(summary)
@@ -193,22 +193,28 @@ class Trainer:
                 monitor.step(result)
             bar.update(1)
             bar.set_postfix(loss=f"{result['loss']:.3f}", lr=f"{result['lr']:.2e}")
-            step = self.state["global_step"]
-            epoch_end = self.state["step_in_epoch"] == self.epoch_steps[epoch]
+            step = self.state.global_step
+            epoch_end = self.state.step_in_epoch == self.epoch_steps[epoch]
             if step % c.logging.every == 0 or epoch_end:
                 row = window.row(step, epoch) | self._simulated_tau()  # every rank: FSDP-safe
                 if monitor is not None:
                     monitor.log(row)
                 window = _Window()
             if step % c.train.checkpoint_every == 0:
-                checkpoint.save(self)
+                self._save()
         bar.close()
 
     def _simulated_tau(self) -> dict[str, float]:
         """τ of the current drafter on the fixed held-out batch (none without held-out data)."""
         if self.simulated is None:
             return {}
-        return {"simulated_tau": self.simulated.measure(self.drafter)}
+        with borrowed_unsharded(self.drafter):  # the target's embedding and head, gathered
+            return {"simulated_tau": self.simulated.measure(self.drafter)}
+
+    def _save(self) -> None:
+        keep = self.config.train.keep_checkpoints
+        step = self.state.global_step
+        checkpoint.save_checkpoint(paths.CHECKPOINTS, step, self.parts, self.fingerprint, keep)
 
     def _epoch_dataset(self, epoch: int) -> StepDataset:
         """This rank's steps of the epoch's plan, from the step a resumed run stopped at."""
@@ -224,7 +230,7 @@ class Trainer:
         return StepDataset(
             self.store,
             steps,
-            first_step=self.state["step_in_epoch"],
+            first_step=self.state.step_in_epoch,
             block_size=c.drafter.block_size,
             anchors_per_sequence=c.drafter.anchors_per_sequence,
             gamma=c.drafter.gamma,
@@ -234,14 +240,15 @@ class Trainer:
 
     def _record(self, epoch: int, result: dict[str, Any], seconds: float, wait: float) -> None:
         """Count a finished step into the run's state (checkpointed, so resumes continue it)."""
-        self.state["step_in_epoch"] += 1
-        self.state["global_step"] += 1
-        self.state["elapsed_s"] += seconds
-        self.state["data_wait_s"] += wait
-        self.state["real_tokens"] += result["real_tokens"]
-        self.state["padded_tokens"] += result["padded_tokens"]
+        s = self.state
+        s.step_in_epoch += 1
+        s.global_step += 1
+        s.elapsed_s += seconds
+        s.data_wait_s += wait
+        s.real_tokens += result["real_tokens"]
+        s.padded_tokens += result["padded_tokens"]
         if result["finite"]:
-            self.state["epoch_loss"].append((epoch, result["loss"], result["weight"]))
+            s.epoch_loss.append((epoch, result["loss"], result["weight"]))
 
     def _step(self, micro_batches: list[MicroBatch]) -> dict[str, Any]:
         """Gradients of the step's micro-batches, then one update unless the loss is not finite."""
@@ -255,12 +262,12 @@ class Trainer:
             c.drafter.gamma,
             self.autocast,
         )
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, c.train.clip_grad).item()
+        grad_norm = clip_grad_norm(self.params, c.train.clip_grad)
         lr = self.scheduler.get_last_lr()[0]
         finite = math.isfinite(totals.loss) and math.isfinite(grad_norm) and totals.weight > 0
         if finite:
             self.optimizer.step()
-            self.state["nonfinite_in_a_row"] = 0
+            self.state.nonfinite_in_a_row = 0
         else:
             self._skip_step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -268,37 +275,39 @@ class Trainer:
         return {**totals._asdict(), "finite": finite, "grad_norm": grad_norm, "lr": lr}
 
     def _skip_step(self) -> None:
-        self.state["skipped_steps"] += 1
-        self.state["nonfinite_in_a_row"] += 1
+        s = self.state
+        s.skipped_steps += 1
+        s.nonfinite_in_a_row += 1
         limit = self.config.train.max_nonfinite_steps
-        if self.state["nonfinite_in_a_row"] >= limit:
+        if s.nonfinite_in_a_row >= limit:
             raise TrainingError(
-                f"{self.state['nonfinite_in_a_row']} non-finite losses in a row (limit "
+                f"{s.nonfinite_in_a_row} non-finite losses in a row (limit "
                 f"train.max_nonfinite_steps = {limit}) at global step "
-                f"{self.state['global_step']}: lower train.lr or check the data"
+                f"{s.global_step}: lower train.lr or check the data"
             )
 
     def _summary(self) -> dict[str, Any]:
         s = self.state
-        last_epoch = max((e for e, _, _ in s["epoch_loss"]), default=0)
-        last = [(loss, w) for e, loss, w in s["epoch_loss"] if e == last_epoch]
+        last_epoch = max((e for e, _, _ in s.epoch_loss), default=0)
+        last = [(loss, w) for e, loss, w in s.epoch_loss if e == last_epoch]
         final_loss = sum(loss * w for loss, w in last) / max(sum(w for _, w in last), 1e-12)
-        last_row = s["rows"][-1] if s["rows"] else {}
+        rows = s.rows
+        last_row = rows[-1] if rows else {}
         tau_seconds = self.simulated.seconds if self.simulated else 0.0
         return {
             "final_loss": final_loss,
             "final_accuracy": last_row.get("accuracy", float("nan")),
             "final_simulated_tau": last_row.get("simulated_tau", float("nan")),
-            "simulated_tau_cost": tau_seconds / max(s["elapsed_s"], 1e-9),
-            "tokens_per_s": s["real_tokens"] / max(s["elapsed_s"], 1e-9),
-            "padded_tokens_per_s": s["padded_tokens"] / max(s["elapsed_s"], 1e-9),
-            "padding_efficiency": s["real_tokens"] / max(s["padded_tokens"], 1),
-            "data_wait_fraction": s["data_wait_s"] / max(s["elapsed_s"], 1e-9),
-            "steps": s["global_step"],
-            "skipped_steps": s["skipped_steps"],
+            "simulated_tau_cost": tau_seconds / max(s.elapsed_s, 1e-9),
+            "tokens_per_s": s.real_tokens / max(s.elapsed_s, 1e-9),
+            "padded_tokens_per_s": s.padded_tokens / max(s.elapsed_s, 1e-9),
+            "padding_efficiency": s.real_tokens / max(s.padded_tokens, 1),
+            "data_wait_fraction": s.data_wait_s / max(s.elapsed_s, 1e-9),
+            "steps": s.global_step,
+            "skipped_steps": s.skipped_steps,
             "epochs": self.config.train.epochs,
             "world_size": self.ctx.world_size,
-            "train_seconds": s["elapsed_s"],
+            "train_seconds": s.elapsed_s,
         }
 
 

@@ -2,8 +2,8 @@
 
 The loss is normalised by the loss-weight sum of the whole step over all ranks, computed before
 the forward from the anchors, so every token weighs the same whatever the batching strategy or
-the way samples fall onto ranks. Gradients accumulate over the rank's micro-batches and DDP
-synchronises them on the last one only.
+the way samples fall onto ranks. Gradients accumulate over the rank's micro-batches and are
+averaged over ranks (DDP all-reduce or FSDP reduce-scatter) on the last one only.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dflash.model.features import target_features
 from dflash.model.objective import ObjectiveOutput, dflash_objective
 from dflash.train.batches import MicroBatch
 from dflash.train.distributed import Dist, all_reduce_sum
+from dflash.train.parallel import borrowed_unsharded, no_sync
 
 TINY_WEIGHT = 1e-12
 """Floor of the step's loss-weight sum: a step without labels divides by it, not by zero."""
@@ -42,6 +43,13 @@ def micro_batch_loss(
 ) -> ObjectiveOutput:
     """Target features without gradients, then the drafter and its loss on one micro-batch."""
     features = target_features(target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids)
+    return drafter_loss(model, features, mb, gamma)
+
+
+def drafter_loss(
+    model: nn.Module, features: torch.Tensor, mb: MicroBatch, gamma: float
+) -> ObjectiveOutput:
+    """The drafter and its loss on one micro-batch, given its target features."""
     return dflash_objective(
         model,
         features,
@@ -84,11 +92,14 @@ def forward_backward(
     for i, mb in enumerate(micro_batches):
         mb = mb.to(ctx.device)
         last = i == len(micro_batches) - 1
-        sync = contextlib.nullcontext() if last or not ctx.enabled else model.no_sync()
-        with sync:
+        with autocast:
+            features = target_features(
+                target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids
+            )
+        with contextlib.nullcontext() if last else no_sync(model), borrowed_unsharded(model):
             with autocast:
-                out = micro_batch_loss(target, model, layer_ids, mb, gamma)
-            # DDP averages gradients over ranks: scaled, the sum is Σ w·CE / Σ_global w.
+                out = drafter_loss(model, features, mb, gamma)
+            # Gradients are averaged over ranks: scaled, the sum is Σ w·CE / Σ_global w.
             (out.loss_sum * (ctx.world_size / max(weight, TINY_WEIGHT))).backward()
         parts = (out.loss_sum.detach()[None], out.correct, out.counted)
         sums += torch.cat([t.double().cpu() for t in parts])
