@@ -43,7 +43,24 @@ STAGES: dict[str, Stage] = {
     "target": Stage("dflash.model.target:run", params=("target", "data.max_seq_len")),
     "regenerate": Stage(
         "dflash.data.regenerate:run",
-        params=("regenerate", "data.regenerate", "data.max_seq_len"),
+        params=(
+            "regenerate.temperature",
+            "regenerate.max_new_tokens",
+            "regenerate.batch_size",
+            "regenerate.shard_size",
+            "regenerate.seed",
+            "regenerate.backend",
+            "regenerate.model",
+            "data.regenerate",
+            "data.max_seq_len",
+        ),
+        # Where and how hard the servers are asked: the answers are the same.
+        knobs=(
+            "regenerate.endpoints",
+            "regenerate.concurrency",
+            "regenerate.timeout_s",
+            "regenerate.max_retries",
+        ),
     ),
     "tokenize": Stage(
         "dflash.data.tokenize:run",

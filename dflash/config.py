@@ -124,6 +124,19 @@ class RegenerateConfig:
     shard_size: int = 256
     """Conversations per written shard; an interrupted run resumes at the next shard."""
     seed: int = 0
+    backend: Literal["transformers", "openai"] = "transformers"
+    """``transformers`` generates in this process; ``openai`` asks serving engines (vLLM,
+    SGLang, ``transformers serve``) through their OpenAI-compatible API."""
+    model: str | None = None
+    """The served model name (openai); None = the one model the endpoints list."""
+    endpoints: list[str] = field(default_factory=list)
+    """Base URLs of the servers (openai), e.g. ``http://127.0.0.1:8000/v1``: a run knob."""
+    concurrency: int = 32
+    """Conversations in flight at once over all endpoints (openai): a run knob."""
+    timeout_s: float = 600.0
+    """Seconds one request may take before it is retried (openai): a run knob."""
+    max_retries: int = 3
+    """Retries of a request that failed transiently, on the least busy endpoint: a run knob."""
 
     def validate(self) -> None:
         _check_min("regenerate.temperature", self.temperature, 0.0)
@@ -131,6 +144,19 @@ class RegenerateConfig:
         _check_min("regenerate.batch_size", self.batch_size, 1)
         _check_min("regenerate.shard_size", self.shard_size, 1)
         _check_min("regenerate.seed", self.seed, 0)
+        _check_min("regenerate.concurrency", self.concurrency, 1)
+        _check_min("regenerate.timeout_s", self.timeout_s, 0.001)
+        _check_min("regenerate.max_retries", self.max_retries, 0)
+        if self.backend == "openai" and not self.endpoints:
+            raise ConfigError(
+                "regenerate.endpoints = []: the openai backend needs at least one URL, e.g. "
+                "[http://127.0.0.1:8000/v1]"
+            )
+        for i, url in enumerate(self.endpoints):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"regenerate.endpoints[{i}] = {url!r}: expected an http:// or https:// URL"
+                )
 
 
 @dataclass(frozen=True)
