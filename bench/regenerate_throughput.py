@@ -9,8 +9,10 @@ making shards (model load and health check excluded). Prints a table.
 
 ``--workspace`` needs ``models/target``, ``models/tokenizer`` and
 ``data/ingested/conversations.parquet`` (``dvc repro target``); without them the default
-target's shape is built untrained in a temporary folder (its answers run to the cap: the
-rate per token is what is measured). ``--continuous-batching`` passes that flag to the server.
+target is built in a temporary folder, pretrained one epoch on those rows only (its answers
+often run to the cap: the rate per token is what is measured). ``--continuous-batching``
+passes that flag to the server. Both backends use the threads ``dflash.threads`` picks (all
+cores, or ``OMP_NUM_THREADS``: set it to 1 on a machine busy with other work).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dflash.cli import run_stage
 from dflash.config import load_config
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.local_server import LocalServer
+from dflash.threads import set_cpu_threads
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 INPUTS = (paths.TARGET, paths.TOKENIZER, paths.CONVERSATIONS)
@@ -54,9 +57,9 @@ def inputs(workspace: Path, scratch: Path, conversations: int) -> Path:
         (out / paths.CONVERSATIONS).parent.mkdir(parents=True, exist_ok=True)
         write_conversations(rows[:conversations], out / paths.CONVERSATIONS)
         return out
-    print(f"{workspace}: no trained target; building the default shape untrained")
+    print(f"{workspace}: no trained target; building the default target, one epoch")
     out.mkdir()
-    built = [f"data.max_conversations={conversations}", "target.pretrain_epochs=0"]
+    built = [f"data.max_conversations={conversations}", "target.pretrain_epochs=1"]
     for name in ("ingest", "tokenizer", "target"):
         stage(out, name, built)
     return out
@@ -76,7 +79,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--continuous-batching", action="store_true")
     args = parser.parse_args()
-    threads = os.cpu_count() or 1
+    threads = set_cpu_threads()  # the server gets as many: the same cores
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
@@ -95,7 +98,7 @@ def main() -> None:
                 rows.append(("transformers serve", n, measure(source, scratch, f"c{n}", served)))
         finally:
             server.stop()
-    print(f"\n{threads} cores, {args.conversations} conversations")
+    print(f"\n{threads} threads, {args.conversations} conversations")
     print("| backend | concurrency | turns | tokens | seconds | tokens/s |")
     print("|---|---:|---:|---:|---:|---:|")
     for backend, n, r in rows:
