@@ -9,7 +9,10 @@ error naming its log, never a hang.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +24,13 @@ from pathlib import Path
 
 START_TIMEOUT_S = 120.0
 """Longest wait for ``/health`` to answer: importing and loading take ~15 s on 2 busy cores."""
+
+
+def die_with_parent() -> None:
+    """Ask Linux to kill this (child) process when its parent dies, however it dies: a server
+    must not outlive the test or benchmark that started it."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -57,7 +67,12 @@ class LocalServer:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"}
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
 
     def wait(self, timeout_s: float = START_TIMEOUT_S) -> LocalServer:
