@@ -122,6 +122,26 @@ class RegenerateConfig(Section):
     shard_size: Int = Field(256, ge=1)
     """Conversations per written shard; an interrupted run resumes at the next shard."""
     seed: Int = Field(0, ge=0)
+    backend: Literal["transformers", "openai"] = "transformers"
+    """``transformers`` generates in this process; ``openai`` asks serving engines (vLLM,
+    SGLang, ``transformers serve``) through their OpenAI-compatible API."""
+    model: str | None = None
+    """The served model name (openai); None = the one model the endpoints list."""
+    endpoints: list[Annotated[str, Field(pattern=r"^https?://")]] = []
+    """Base URLs of the servers (openai), e.g. ``http://127.0.0.1:8000/v1``: a run knob."""
+    concurrency: Int = Field(32, ge=1)
+    """Conversations in flight at once over all endpoints (openai): a run knob."""
+    timeout_s: Float = Field(600.0, gt=0.0)
+    """Seconds one request may take before it is retried (openai): a run knob."""
+    max_retries: Int = Field(3, ge=0)
+    """Retries of a request that failed transiently, on the least busy endpoint: a run knob."""
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> RegenerateConfig:
+        _require(self.backend != "openai" or bool(self.endpoints), "regenerate.endpoints",
+                 "the openai backend needs at least one URL, e.g. [http://127.0.0.1:8000/v1]",
+                 self.endpoints)  # fmt: skip
+        return self
 
 
 class DrafterConfig(Section):

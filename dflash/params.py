@@ -159,6 +159,7 @@ _RULES = {
     "too_short": "expected a list of 2 values",
     "too_long": "expected a list of 2 values",
     "list_type": "expected a list",
+    "string_pattern_mismatch": "expected an http:// or https:// URL",
 }
 
 
@@ -173,8 +174,9 @@ def _describe(error: Any) -> str:
         return f"unknown key {key} in {where}; allowed: {', '.join(allowed)}"
     if kind == "literal_error":
         rule = f"allowed values are {ctx['expected']}"
-    elif kind in ("greater_than_equal", "less_than_equal"):
-        rule = f"must be {'>=' if 'ge' in ctx else '<='} {ctx.get('ge', ctx.get('le'))}"
+    elif kind in ("greater_than_equal", "less_than_equal", "greater_than"):
+        bound = next(k for k in ("ge", "le", "gt") if k in ctx)
+        rule = f"must be {dict(ge='>=', le='<=', gt='>')[bound]} {ctx[bound]}"
     elif kind == "value_error":
         rule = str(ctx["error"])
     else:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ from dflash.data.conversations import (
     write_conversations,
 )
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
+from dflash.declaration import declared_params, restrict, stages
 from dflash.fileio import atomic_path, write_json_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.load import load_target, target_device_dtype
@@ -40,13 +43,18 @@ from dflash.threads import set_cpu_threads
 COUNTS = ("turns", "outside_window", "tokens_generated", "empty_responses", "unterminated")
 """Per-shard counts, summed into the report whether a shard was made now or resumed."""
 
+Backend = Callable[[list[dict], int, tqdm], tuple[list[dict], dict]]
+"""Regenerates shard ``index``'s rows: returns the rows kept and their counts."""
 
-def fingerprint(config: Config, device: torch.device) -> str:
-    """What a shard's content depends on: params, device, target, tokenizer, input data, code."""
+
+def fingerprint(config: Config, engine: dict) -> str:
+    """What a shard's content depends on: the params the stage declares (its knobs say where
+    and how hard servers are asked, not what they answer), the engine (the device in process,
+    the served model's identity through openai), target, tokenizer, input data, code."""
+    declared = stages()["regenerate"]
     parts = {
-        "regenerate": config.regenerate.model_dump(),
-        "max_seq_len": config.data.max_seq_len,
-        "device": device.type,
+        "params": declared_params(restrict(config, declared.params)),
+        "engine": engine,
         "target": path_digest(paths.TARGET),
         "tokenizer": path_digest(paths.TOKENIZER),
         "conversations": path_digest(paths.CONVERSATIONS),
@@ -190,34 +198,78 @@ def remove_stale_shards(fp: str) -> None:
             commit.with_suffix(".parquet").unlink(missing_ok=True)
 
 
+def in_process(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[Backend, dict]:
+    """``model.generate`` here, seeded per shard so a resumed run samples what an
+    uninterrupted one would have; the engine is the device."""
+    device, _ = target_device_dtype()
+    model = load_target(paths.TARGET, device)
+
+    def answer(rows: list[dict], index: int, progress: tqdm) -> tuple[list[dict], dict]:
+        torch.manual_seed(config.regenerate.seed + index)
+        return regenerate_shard(
+            model, tokenizer, rows, config.regenerate, config.data.max_seq_len, progress
+        )
+
+    return answer, {"device": device.type}
+
+
+def served(
+    config: Config, tokenizer: PreTrainedTokenizerBase, chat_template_kwargs: dict
+) -> tuple[Backend, dict]:
+    """The serving engines at ``regenerate.endpoints``, health-checked now; the engine is the
+    served model's identity. Prompts are measured here with the pipeline's tokenizer, so the
+    ``data.max_seq_len`` window rule is the in-process one."""
+    from dflash.data import serving
+
+    identity = serving.served_model(list(config.regenerate.endpoints), config.regenerate.model)
+    render = template_renderer(tokenizer)
+
+    def prompt_length(messages: list[dict]) -> int:
+        text = render(messages, add_generation_prompt=True, **chat_template_kwargs)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def answer(rows: list[dict], index: int, progress: tqdm) -> tuple[list[dict], dict]:
+        kept, counts = serving.regenerate_shard(
+            rows,
+            [answer_turns(row["messages"]) for row in rows],
+            prompt_length,
+            config.regenerate,
+            serving.Request(
+                identity["model"],
+                config.regenerate.max_new_tokens,
+                config.regenerate.temperature,
+                config.regenerate.max_retries,
+                chat_template_kwargs,
+            ),
+            config.data.max_seq_len,
+            index,
+            progress,
+        )
+        return kept, dict.fromkeys(COUNTS, 0) | counts
+
+    return answer, {"served": identity}
+
+
 def shard_of(
-    index: int,
-    rows: list[dict],
-    fp: str,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    config: Config,
-    progress: tqdm,
+    index: int, rows: list[dict], fp: str, answer: Backend, progress: tqdm
 ) -> tuple[list[dict], dict, bool]:
     """Shard ``index``: read back if committed under ``fp``, else regenerated and committed.
 
-    Returns its conversations, its stats and whether it was made now. The seed is per shard,
-    so a resumed run samples exactly what an uninterrupted one would have.
+    Returns its conversations, its stats and whether it was made now. A shard that lost a
+    conversation to a server failure is not committed: a rerun makes it again.
     """
     data, commit = shard_paths(index)
     stats = completed_shard(index, fp)
     if stats is not None:
         progress.update(stats["turns"] + stats["outside_window"])
         return read_conversations(data), stats, False
-    torch.manual_seed(config.regenerate.seed + index)
     began = time.perf_counter()
-    shard, stats = regenerate_shard(
-        model, tokenizer, rows, config.regenerate, config.data.max_seq_len, progress
-    )
+    shard, stats = answer(rows, index, progress)
     stats |= {"fingerprint": fp, "conversations": len(shard)}
     stats["seconds"] = time.perf_counter() - began
-    write_conversations(shard, data)
-    write_json_atomic(commit, stats)
+    if not stats.get("lost"):
+        write_conversations(shard, data)
+        write_json_atomic(commit, stats)
     return shard, stats, True
 
 
@@ -229,30 +281,41 @@ def regenerate(config: Config) -> dict:
             f"data.max_seq_len = {config.data.max_seq_len} leaves no room for a prompt with "
             f"regenerate.max_new_tokens = {config.regenerate.max_new_tokens}"
         )
-    device, _ = target_device_dtype()
     tokenizer = load_tokenizer(paths.TOKENIZER)
-    model = load_target(paths.TARGET, device)
+    if config.regenerate.backend == "openai":
+        answer, engine = served(config, tokenizer, {})
+    else:
+        answer, engine = in_process(config, tokenizer)
     rows = read_conversations(paths.CONVERSATIONS)
-    fp = fingerprint(config, device)
+    fp = fingerprint(config, engine)
     remove_stale_shards(fp)
     totals = dict.fromkeys(COUNTS, 0)
+    failed: Counter[str] = Counter()
+    served_by: Counter[str] = Counter()
+    lost: list[int] = []
     fresh = {"shards": 0, "conversations": 0, "tokens_generated": 0, "seconds": 0.0}
     output: list[dict] = []
     turns = sum(len(answer_turns(r["messages"])) for r in rows)
     progress = progress_bar(total=turns, desc="regenerate", unit="turn")
     starts = range(0, len(rows), size)
     for index, start in enumerate(starts):
-        shard, stats, made = shard_of(
-            index, rows[start : start + size], fp, model, tokenizer, config, progress
-        )
+        shard, stats, made = shard_of(index, rows[start : start + size], fp, answer, progress)
         output.extend(shard)
         totals = {key: totals[key] + stats[key] for key in COUNTS}
+        failed.update(stats.get("failed", {}))
+        if stats.get("lost"):
+            lost.append(index)
+            if not shard:
+                break
         if made:
             fresh["shards"] += 1
             fresh["conversations"] += len(shard)
             fresh["tokens_generated"] += stats["tokens_generated"]
             fresh["seconds"] += stats["seconds"]
+            served_by.update(stats.get("endpoint_turns", {}))
     progress.close()
+    if lost:
+        raise regeneration_lost(lost, failed)
     write_conversations(output, paths.REGENERATED_CONVERSATIONS)
     seconds = fresh["seconds"]
     return {
@@ -265,12 +328,25 @@ def regenerate(config: Config) -> dict:
         "unterminated_responses": totals["unterminated"],
         "shards": len(starts),
         "shards_made": fresh["shards"],
+        "failed_conversations": dict(sorted(failed.items())),
         "fingerprint": fp,
-        "device": device.type,
+        "engine": engine,
+        "endpoint_turns": dict(sorted(served_by.items())),
         "seconds": seconds,
         "tokens_per_s": fresh["tokens_generated"] / seconds if seconds else None,
         "conversations_per_s": fresh["conversations"] / seconds if seconds else None,
     }
+
+
+def regeneration_lost(shards: list[int], failed: Counter) -> Exception:
+    """The error a run ends with when servers failed it: the user restarts them and reruns."""
+    from dflash.data.serving import EndpointError
+
+    return EndpointError(
+        f"regenerate: conversations failed on the servers ({dict(sorted(failed.items()))}), "
+        f"so shards {shards} were not committed (a shard that lost every conversation stops "
+        "the run); the others are: rerun to resume"
+    )
 
 
 def copy_conversations() -> dict:
