@@ -26,9 +26,9 @@ from pathlib import Path
 
 from dflash import paths
 from dflash.cli import run_stage
-from dflash.config import load_config
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.local_server import LocalServer
+from dflash.params import load_config
 from dflash.threads import set_cpu_threads
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"

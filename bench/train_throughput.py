@@ -32,10 +32,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dflash import paths
-from dflash.config import load_config
 from dflash.data.store import TokenStoreWriter
 from dflash.data.tokenizer import IM_END, IM_START, MASK_TOKEN, PAD_TOKEN, tokenizer_hash
 from dflash.model.pretrain import build_tiny_target
+from dflash.params import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"

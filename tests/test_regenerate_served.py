@@ -14,10 +14,10 @@ from conftest import run_stages
 
 from dflash import paths
 from dflash.cli import main
-from dflash.config import ConfigError
 from dflash.data import regenerate
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.local_server import free_port, local_servers
+from dflash.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 

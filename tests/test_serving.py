@@ -7,8 +7,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessage
 
-from dflash.config import ConfigError, load_config
 from dflash.data.serving import TRANSIENT, Endpoints, answer_message, failure_reason
+from dflash.errors import ConfigError
+from dflash.params import load_config
 
 URL = "http://127.0.0.1:9/v1"
 
