@@ -123,7 +123,7 @@ def test_export_is_whole_or_absent(tmp_path, monkeypatch, fail_after):
     (out / "model.safetensors").write_text("old")
 
     class Drafter:
-        def save_pretrained(self, directory, target_config, weights=None):
+        def save_pretrained(self, directory, target_config, dtype=None, weights=None):
             (directory / "config.json").write_text("new")
             if fail_after == 0:
                 raise KeyboardInterrupt
