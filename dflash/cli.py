@@ -40,14 +40,25 @@ STAGES: dict[str, Stage] = {
         params=("data.source", "data.eval_fraction", "data.max_conversations"),
     ),
     "tokenizer": Stage("dflash.data.tokenizer:run", params=("tokenizer", "drafter.mask_token")),
-    "target": Stage("dflash.model.target:run", params=("target", "data.max_seq_len")),
+    "target": Stage(
+        "dflash.model.target:run",
+        params=("target", "data.max_seq_len"),
+        knobs=("drafter.num_target_features",),  # checked against the depth, never written
+    ),
     "regenerate": Stage(
         "dflash.data.regenerate:run",
-        params=("regenerate", "data.regenerate", "data.max_seq_len"),
+        params=("regenerate", "data.regenerate", "data.max_seq_len", "data.chat_template_kwargs"),
     ),
     "tokenize": Stage(
         "dflash.data.tokenize:run",
-        params=("data.max_seq_len", "data.overlength", "data.chunk_size", "drafter.block_size"),
+        params=(
+            "data.max_seq_len",
+            "data.overlength",
+            "data.chunk_size",
+            "drafter.block_size",
+            "data.turns",
+            "data.chat_template_kwargs",
+        ),
         knobs=("data.num_workers",),  # the token store is byte-identical for any count
     ),
     "stats": Stage(
@@ -105,7 +116,13 @@ STAGES: dict[str, Stage] = {
     "evaluate": Stage(
         "dflash.eval.evaluate:run",
         # gamma weighs the held-out drafter loss; train.seed makes the untrained baseline.
-        params=("evaluate", "data.max_seq_len", "drafter.gamma", "train.seed"),
+        params=(
+            "evaluate",
+            "data.max_seq_len",
+            "drafter.gamma",
+            "train.seed",
+            "data.chat_template_kwargs",
+        ),
     ),
     "report": Stage("dflash.report:run"),
 }

@@ -40,8 +40,13 @@ class DataConfig:
     """Records tokenized per chunk: bounds memory of the tokenize stage."""
     num_workers: int | None = None
     """Processes that tokenize; None = every core. The output is the same for any count."""
+    turns: Literal["per_conversation", "per_turn"] = "per_conversation"
+    """One sample per conversation, or one per assistant turn (see dflash.data.chat)."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Options every chat rendering passes to the template, e.g. {enable_thinking: false}."""
 
     def validate(self) -> None:
+        _check_template_kwargs("data.chat_template_kwargs", self.chat_template_kwargs)
         _check_range("data.eval_fraction", self.eval_fraction, 0.0, 0.5)
         _check_min("data.max_seq_len", self.max_seq_len, 8)
         _check_min("data.chunk_size", self.chunk_size, 1)
@@ -224,8 +229,12 @@ class EvaluateConfig:
     """A divergence from greedy whose top-2 target logits are this close is a near-tie
     (rounding, e.g. bf16 on GPU), counted apart from real lossless mismatches."""
     seed: int = 0
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Template options for the prompts scored; None = data.chat_template_kwargs."""
 
     def validate(self) -> None:
+        if self.chat_template_kwargs is not None:
+            _check_template_kwargs("evaluate.chat_template_kwargs", self.chat_template_kwargs)
         _check_min("evaluate.num_prompts", self.num_prompts, 1)
         _check_min("evaluate.max_new_tokens", self.max_new_tokens, 1)
         _check_min("evaluate.seed", self.seed, 0)
@@ -322,6 +331,13 @@ def _validate_across(config: Config) -> None:
                 f"{key} = {new}: must be below data.max_seq_len = {seq}, which must also hold "
                 "the prompt"
             )
+    min_loss = 2 * config.drafter.block_size
+    if config.data.regenerate and config.regenerate.max_new_tokens < min_loss:
+        raise ConfigError(
+            f"regenerate.max_new_tokens = {config.regenerate.max_new_tokens}: a regenerated "
+            f"answer could never reach the {min_loss} loss tokens (2 x drafter.block_size) a "
+            "sample needs"
+        )
     budget = config.batching.token_budget
     if budget < seq:
         raise ConfigError(
@@ -376,6 +392,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ConfigError as err:
                 errors.append(str(err))
         raise ConfigError(f"{key} = {value!r}: not any of the allowed forms ({'; '.join(errors)})")
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key} = {value!r}: expected a mapping with string keys")
+        return dict(value)
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key} = {value!r}: expected a list")
@@ -409,6 +429,16 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} = {value!r}: expected a string")
         return value
     raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
+"""Names the pipeline itself hands every chat template."""
+
+
+def _check_template_kwargs(key: str, value: dict) -> None:
+    taken = sorted(set(value) & set(TEMPLATE_RESERVED))
+    if taken:
+        raise ConfigError(f"{key}.{taken[0]}: set by the pipeline for every chat, not an option")
 
 
 def _check_min(key: str, value: float, low: float) -> None:

@@ -99,7 +99,7 @@ class Tally:
         except RecordError as err:
             _note(self.skipped[err.reason], number)
             return None
-        content = content_digest(conversation["messages"])
+        content = content_digest(conversation["messages"], conversation.get("tools", ()))
         if content in self.seen_content:
             _note(self.duplicates, number)
             return None

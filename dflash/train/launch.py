@@ -15,11 +15,23 @@ from pathlib import Path
 
 import yaml
 
+from dflash import paths
 from dflash.config import Config, unwrap
+from dflash.model.layer_ids import check_layer_selection, target_depth
+from dflash.model.target import resolve_target_path
 from dflash.train.distributed import launched_by_torchrun
 
 
+def check_target_features(config: Config) -> None:
+    """The layer selection against the target built, before any rank starts: a params error
+    (exit 2), not a traceback from every rank."""
+    if paths.TARGET.exists():
+        depth = target_depth(resolve_target_path(paths.TARGET), 0)
+        check_layer_selection(depth, config.drafter.num_target_features)
+
+
 def run(config: Config) -> int:
+    check_target_features(config)
     if launched_by_torchrun() or config.train.world_size == 1:
         from dflash.train.loop import train
 
