@@ -97,12 +97,36 @@ def served_turn(render: Render, messages: Sequence[dict], i: int, tools=None) ->
         rendered = render(messages[: i + 1], tools=tools)
     except TEMPLATE_FAILURES:
         return "template_error"
-    if not rendered.startswith(prompt):
-        return "prompt_not_continued"
-    output = rendered[len(prompt) :].rstrip()
+    if rendered.startswith(prompt):
+        output = rendered[len(prompt) :]
+    else:
+        anchor = messages[i - 1]["content"].strip() if i else ""
+        output = _continuation(prompt, rendered, anchor)
+        if output is None:
+            return "prompt_not_continued"
+    output = output.rstrip()
     if not _shows_content(messages[i], output):
         return "content_rewritten"
     return Turn(i, prompt, output)
+
+
+def _continuation(prompt: str, rendered: str, anchor: str) -> str | None:
+    """What ``rendered`` adds after ``prompt`` when the template rewrites the prompt's history
+    once the turn follows it (Mistral puts the system prompt into the last user message only).
+
+    The output starts where ``rendered`` continues the longest tail of the prompt that still
+    holds ``anchor``, the last message before the turn; None when no such tail is continued
+    (e.g. reasoning in the data where the prompt closes an empty think block).
+    """
+    diverge = _common_prefix(prompt, rendered)
+    rest = rendered[diverge:]
+    for start in range(diverge, len(prompt)):
+        tail = prompt[start:]
+        if anchor not in tail:
+            return None
+        if rest.startswith(tail):
+            return rest[len(tail) :]
+    return None
 
 
 def _prompt(render: Render, before: Sequence[dict], tools) -> str:
