@@ -241,3 +241,15 @@ def test_a_turn_the_template_rejects_is_counted_not_raised():
         [(encoded, plan)] = encode_chats(tokenizer, [chat], turns)
         assert (2, "template_error") in plan.skipped
         assert all(not any(w in t for w in NEVER_LEARNED) for t in learned(tokenizer, encoded))
+
+
+def test_qwen3_thinking_off_finds_a_call_whose_markup_shares_a_prefix_with_think():
+    """``<tool_call>`` and the prompt's ``<think>`` share "<t": the search starts at the turn."""
+    tokenizer = tiny_tokenizer("qwen3")
+    chat = parse_record({**TOOL_RECORD, "messages": TOOL_RECORD["messages"][1:]})
+    [(encoded, plan)] = encode_chats(
+        tokenizer, [chat], "per_conversation", {"enable_thinking": False}
+    )
+    assert plan.skipped == [] and plan.learned == 2
+    call, answer = learned(tokenizer, encoded)[0].split("<|im_end|>")[:2]
+    assert call.startswith("<tool_call>\n") and answer == "It is 3 degrees."

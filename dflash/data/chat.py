@@ -199,7 +199,7 @@ def conversation_sample(
         if isinstance(turn, str):
             out.skipped.append((i, turn))
             continue
-        start = max(_turn_start(turn.prompt, text), searched)
+        start = max(_turn_start(render, messages[:i], tools, turn.prompt, text), searched)
         if limit is not None and start >= limit:
             break
         at = text.find(turn.output, start)
@@ -213,10 +213,18 @@ def conversation_sample(
     return out
 
 
-def _turn_start(prompt: str, text: str) -> int:
-    """Where a turn's search starts: after its prompt, or where the prompt leaves the chat
-    (a generation prompt that is not a prefix of the rendered chat, as with Qwen3 thinking)."""
-    return len(prompt) if text.startswith(prompt) else _common_prefix(prompt, text)
+def _turn_start(render: Render, before: Sequence[dict], tools, prompt: str, text: str) -> int:
+    """Where a turn's search starts: after its prompt, or, for a generation prompt that is not
+    a prefix of the rendered chat (Qwen3 without thinking), after the chat before the turn."""
+    if text.startswith(prompt):
+        return len(prompt)
+    try:
+        history = render(before, tools=tools) if before else ""
+    except TEMPLATE_FAILURES:
+        history = ""
+    if history and text.startswith(history):
+        return len(history)
+    return _common_prefix(prompt, text)
 
 
 def _common_prefix(a: str, b: str) -> int:
