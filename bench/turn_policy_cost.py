@@ -61,10 +61,11 @@ def main() -> None:
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--kwargs", default="{}", help="chat_template_kwargs as JSON")
     parser.add_argument("--thinking", action="store_true", help="add a reasoning to every answer")
+    parser.add_argument("--max-conversations", type=int, help="the first N only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     tokenizer = load_tokenizer(args.tokenizer)
-    rows = read_conversations(args.conversations)
+    rows = read_conversations(args.conversations)[: args.max_conversations]
     if args.thinking:
         rows = with_reasoning(rows)
     options = json.loads(args.kwargs)
