@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 from dflash.errors import UndeclaredParamError
 
@@ -20,6 +28,20 @@ INT_MAX = 2**31 - 1
 Int = Annotated[int, Field(strict=True, le=INT_MAX)]
 Float = Annotated[float, Field(strict=False, allow_inf_nan=False)]
 """Lax, because YAML 1.1 reads ``1e-3`` (no dot) as a string; ``nan`` and ``inf`` refused."""
+
+
+TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
+"""Names the pipeline itself hands every chat template."""
+
+
+def _template_options(value: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(set(value) & set(TEMPLATE_RESERVED))
+    if taken:
+        raise ValueError(f"{taken[0]} is set by the pipeline for every chat, not an option")
+    return value
+
+
+TemplateOptions = Annotated[dict[str, Any], AfterValidator(_template_options)]
 
 
 class Located(ValueError):
@@ -66,6 +88,10 @@ class DataConfig(Section):
     """Records tokenized per chunk: bounds memory of the tokenize stage."""
     num_workers: Int | None = Field(None, ge=1)
     """Processes that tokenize; None = every core. The output is the same for any count."""
+    turns: Literal["per_conversation", "per_turn"] = "per_conversation"
+    """One sample per conversation, or one per assistant turn (see dflash.data.chat)."""
+    chat_template_kwargs: TemplateOptions = {}
+    """Options every chat rendering passes to the template, e.g. {enable_thinking: false}."""
 
     @field_validator("source")
     @classmethod
@@ -208,6 +234,8 @@ class EvaluateConfig(Section):
     """A divergence from greedy whose top-2 target logits are this close is a near-tie
     (rounding, e.g. bf16 on GPU), counted apart from real lossless mismatches."""
     seed: Int = Field(0, ge=0)
+    chat_template_kwargs: TemplateOptions | None = None
+    """Template options for the prompts scored; None = data.chat_template_kwargs."""
 
 
 class ExportConfig(Section):
@@ -246,6 +274,10 @@ class Config(BaseModel):
         hold = f"must be below data.max_seq_len = {seq}, which must also hold the prompt"
         for key, new in (("regenerate", self.regenerate), ("evaluate", self.evaluate)):
             _require(new.max_new_tokens < seq, f"{key}.max_new_tokens", hold, new.max_new_tokens)
+        loss, answer = 2 * block.block_size, self.regenerate.max_new_tokens
+        _require(not self.data.regenerate or answer >= loss, "regenerate.max_new_tokens",
+                 f"a regenerated answer could never reach the {loss} loss tokens "
+                 "(2 x drafter.block_size) a sample needs", answer)  # fmt: skip
         _require(
             budget >= seq,
             "batching.token_budget",

@@ -233,10 +233,18 @@ TOOL_MESSAGES = [
     {"role": "tool", "content": '{"temp": 3}'},
     {"role": "assistant", "content": "3 degrees."},
 ]
+OPENAI_TOOL_MESSAGES = [
+    TOOL_MESSAGES[0],
+    {**TOOL_MESSAGES[1], "tool_calls": [{**TOOL_CALL, "id": "call_1"}]},
+    {**TOOL_MESSAGES[2], "tool_call_id": "call_1"},
+    TOOL_MESSAGES[3],
+]
+"""The OpenAI record's shape, with the call id and the id its result answers, which
+Mistral-style templates render."""
 
 
 def test_tool_call_conversations_are_kept_in_one_shape():
-    assert parse_record(OPENAI_TOOLS)["messages"] == TOOL_MESSAGES
+    assert parse_record(OPENAI_TOOLS)["messages"] == OPENAI_TOOL_MESSAGES
     assert parse_record(SHAREGPT_TOOLS)["messages"] == TOOL_MESSAGES
 
 
@@ -265,7 +273,7 @@ def test_bom_jsonl_and_tool_calls_round_trip_through_the_stage(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     assert run_cli(source, "--set", "data.eval_fraction=0") == 0
     train = read_conversations(tmp_path / paths.CONVERSATIONS)
-    assert [c["messages"] for c in train] == [OPENAI["messages"], TOOL_MESSAGES]
+    assert [c["messages"] for c in train] == [OPENAI["messages"], OPENAI_TOOL_MESSAGES]
 
 
 def test_parquet_messages_column_of_json_strings_is_parsed(tmp_path, monkeypatch):
@@ -275,7 +283,7 @@ def test_parquet_messages_column_of_json_strings_is_parsed(tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert run_cli(source, "--set", "data.eval_fraction=0") == 0
     train = read_conversations(tmp_path / paths.CONVERSATIONS)
-    assert [c["messages"] for c in train] == [OPENAI["messages"], TOOL_MESSAGES]
+    assert [c["messages"] for c in train] == [OPENAI["messages"], OPENAI_TOOL_MESSAGES]
 
 
 def test_no_usable_record_fails_with_the_report_and_writes_nothing(tmp_path, monkeypatch, capsys):

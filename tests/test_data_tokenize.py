@@ -273,3 +273,36 @@ def test_interrupted_stages_leave_their_old_outputs(tmp_path, monkeypatch):
         tokenize.run(stage_config(source, max_seq_len=64))
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_zero_samples_fails_with_the_report_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Every answer shorter than 2 x block_size loss tokens: exit 1, the report says why."""
+    monkeypatch.chdir(tmp_path)
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(3)))
+    ingest.run(stage_config(source, eval_fraction=0.0))
+    tokenizer.run(stage_config(source))
+    paths.REGENERATED.mkdir(parents=True, exist_ok=True)
+    paths.REGENERATED_CONVERSATIONS.write_bytes(paths.CONVERSATIONS.read_bytes())
+    config = Config(
+        data=DataConfig(source=str(source), max_seq_len=512),
+        tokenizer=TokenizerConfig(vocab_size=300),
+        drafter=DrafterConfig(block_size=200),
+    )
+    assert tokenize.run(config) == 1
+    err = capsys.readouterr().err
+    report = json.loads(err[err.index("{") :])
+    assert report["n_samples"] == 0 and report["dropped"]["too_few_loss_tokens"] == 3
+    assert report["assistant_turns"]["learned"] == 6
+    assert not paths.TOKENIZED.exists()
+
+
+def test_turns_policy_and_template_options_reach_the_store(tiny, tmp_path):
+    """per_turn: one sample per assistant turn; the report counts turns learned and left out."""
+    writer = TokenStoreWriter(tmp_path / "s")
+    policy = tokenize.Policy(1000, "truncate", 1, "per_turn", {"unused_option": True})
+    counts = tokenize.tokenize_chunks(batches(rows(4), 3), tiny, writer, policy)
+    manifest = writer.close(counts)
+    assert manifest["n_samples"] == 8 and manifest["turns"] == "per_turn"
+    assert manifest["assistant_turns"]["learned"] == 8
+    assert sum(manifest["assistant_turns"].values()) == 8

@@ -14,7 +14,8 @@ from dflash.model import drafter as drafter_module
 from dflash.model.anchors import sample_anchors
 from dflash.model.attention import build_block_mask
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.features import target_features, target_layer_ids
+from dflash.model.features import target_features
+from dflash.model.layer_ids import target_layer_ids
 from dflash.model.objective import block_labels, decay_weights, dflash_objective
 
 BS = 4

@@ -1,20 +1,31 @@
-"""Chat-template encoding with an assistant-only loss mask that works for any template.
+"""Chat-template encoding: a training sample is what the target sees when it serves a turn.
 
-The mask is found from text, not from one template's markup: the conversation is rendered
-once, and each assistant content is located after the rendering of the messages before it
-with the generation prompt (the text a served target sees before it answers). The fast
-tokenizer's offset mapping then turns those character spans into tokens. The special
-token right after an assistant content (``<|im_end|>``, ``<|eot_id|>``, ...) is learned
-too, because predicting the end of a turn is part of drafting it. An assistant turn that
-calls tools is learned whole, content and calls, whatever markup the template gives them;
-tool results, like user turns, are not learned.
+An assistant turn, as served, is a prompt (the messages before it rendered with the generation
+prompt, the template's options and the conversation's tools) and an output: what the template
+adds when the turn itself is rendered last, reasoning, tool-call markup and end-of-turn token
+included. Nothing about one template's markup is assumed; only text is compared, and the fast
+tokenizer's offset mapping turns character spans into tokens.
+
+Two ways to make samples of a conversation (``data.turns``):
+
+- ``per_conversation``: the whole chat rendered once; a turn is learned where the template
+  shows its served output in full. Templates that rewrite history (Qwen3 drops the reasoning
+  of turns before the last user query) show only their later turns in full: the others are
+  left out as ``not_shown_in_full``. Cheap: every token is in one sample.
+- ``per_turn``: one sample per assistant turn, its prompt then its output: each turn is
+  learned with its reasoning, in exactly the context the target served it in, at the cost of
+  repeating the history once per turn.
+
+User, system and tool-result text is never learned. A turn that cannot be mapped is left out
+with a reason (:data:`SKIP_REASONS`) for the tokenize report, never an exception.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import jinja2
 import numpy as np
@@ -22,14 +33,24 @@ from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 Span = tuple[int, int]
+Render = Callable[..., str]
+TURN_POLICIES = ("per_conversation", "per_turn")
+SKIP_REASONS = ("template_error", "prompt_not_continued", "content_rewritten", "not_shown_in_full")
+"""Why an assistant turn is left out: the template raised on the chat; it renders the turn
+differently from the prompt it serves (e.g. reasoning in the data under ``enable_thinking:
+false``); its rendering lacks the message's content; or (``per_conversation``) the whole chat
+does not show its served output."""
+TEMPLATE_FAILURES = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError)
+"""What rendering a chat the template was not written for can raise."""
 
 
 class ChatTemplateError(ValueError):
     """The chat template changed an assistant content beyond recognition."""
 
 
-def template_renderer(tokenizer: PreTrainedTokenizerFast) -> Callable[..., str]:
-    """Render ``messages`` exactly as ``apply_chat_template(tokenize=False)`` does.
+def template_renderer(tokenizer: PreTrainedTokenizerFast, options: Mapping | None = None) -> Render:
+    """Render a chat exactly as ``apply_chat_template(messages, tools=tools, **options,
+    tokenize=False)`` does: the one rendering regenerate, tokenize and evaluate share.
 
     The compiled template is the one ``apply_chat_template`` uses; calling it directly skips
     per-call copying of the messages, which makes rendering every prefix ~5x cheaper.
@@ -37,69 +58,173 @@ def template_renderer(tokenizer: PreTrainedTokenizerFast) -> Callable[..., str]:
     if not tokenizer.chat_template:
         raise ChatTemplateError(f"{tokenizer.name_or_path}: the tokenizer has no chat_template")
     template = _compile_jinja_template(tokenizer.chat_template)
-    special = dict(tokenizer.special_tokens_map)
+    context = {**tokenizer.special_tokens_map, **(options or {})}
 
-    def render(messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+    def render(
+        messages: Sequence[dict], add_generation_prompt: bool = False, tools: list | None = None
+    ) -> str:
         return template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **special
+            messages=[_aliased(m) for m in messages],
+            tools=tools,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **context,
         )
 
     return render
 
 
-def assistant_spans(
-    render: Callable[..., str], messages: Sequence[dict], text: str, limit: int | None = None
-) -> list[Span]:
-    """Character spans of the assistant contents in ``text``, the rendered ``messages``.
-
-    Messages that start at or after character ``limit`` are skipped: truncation cuts them.
-    """
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _prompt(render, messages[:i])
-        start = len(prompt) if text.startswith(prompt) else _common_prefix(prompt, text)
-        if limit is not None and start >= limit:
-            break
-        if message.get("tool_calls"):
-            spans.append(_turn_span(render, messages[: i + 1], text, start))
-            continue
-        content = message["content"]
-        at = text.find(content, start)
-        if at < 0:
-            content = content.strip()
-            at = text.find(content, start)
-        if at < 0:
-            raise ChatTemplateError(
-                f"assistant message {i} does not appear in the rendered chat: the template "
-                f"rewrites it, so its loss mask cannot be found. Content: {message['content']!r}"
-            )
-        spans.append((at, at + len(content)))
-    return spans
+def _aliased(message: dict) -> dict:
+    """Reasoning also under ``thinking``, the name gpt-oss templates read, as Hugging Face
+    hands it to templates."""
+    reasoning = message.get("reasoning_content")
+    return message if reasoning is None else {"thinking": reasoning, **message}
 
 
-def _prompt(render: Callable[..., str], before: Sequence[dict]) -> str:
-    """What the target sees before it answers; for a first turn, templates that cannot
-    render an empty chat give no prompt (searching then starts at the beginning)."""
+@dataclass(frozen=True)
+class Turn:
+    """One assistant turn as served: the prompt the target sees and the output it writes."""
+
+    index: int
+    prompt: str
+    output: str
+
+
+def served_turn(render: Render, messages: Sequence[dict], i: int, tools=None) -> Turn | str:
+    """Assistant turn ``i`` as the target serves it, or the reason it cannot be mapped."""
     try:
-        return render(before, add_generation_prompt=True)
-    except jinja2.TemplateError:
+        prompt = _prompt(render, messages[:i], tools)
+        rendered = render(messages[: i + 1], tools=tools)
+    except TEMPLATE_FAILURES:
+        return "template_error"
+    if rendered.startswith(prompt):
+        output = rendered[len(prompt) :]
+    else:
+        anchor = messages[i - 1]["content"].strip() if i else ""
+        output = _continuation(prompt, rendered, anchor)
+        if output is None:
+            return "prompt_not_continued"
+    output = output.rstrip()
+    if not _shows_content(messages[i], output):
+        return "content_rewritten"
+    return Turn(i, prompt, output)
+
+
+def _continuation(prompt: str, rendered: str, anchor: str) -> str | None:
+    """What ``rendered`` adds after ``prompt`` when the template rewrites the prompt's history
+    once the turn follows it (Mistral puts the system prompt into the last user message only).
+
+    The output starts where ``rendered`` continues the longest tail of the prompt that still
+    holds ``anchor``, the last message before the turn; None when no such tail is continued
+    (e.g. reasoning in the data where the prompt closes an empty think block).
+    """
+    diverge = _common_prefix(prompt, rendered)
+    rest = rendered[diverge:]
+    for start in range(diverge, len(prompt)):
+        tail = prompt[start:]
+        if anchor not in tail:
+            return None
+        if rest.startswith(tail):
+            return rest[len(tail) :]
+    return None
+
+
+def _prompt(render: Render, before: Sequence[dict], tools) -> str:
+    """What the target sees before it answers; for a first turn, templates that cannot
+    render an empty chat give no prompt."""
+    try:
+        return render(before, add_generation_prompt=True, tools=tools)
+    except TEMPLATE_FAILURES:
         if before:
             raise
         return ""
 
 
-def _turn_span(render: Callable[..., str], upto: Sequence[dict], text: str, start: int) -> Span:
-    """The whole rendered turn of the last message of ``upto``, from ``start``.
+def _shows_content(message: dict, output: str) -> bool:
+    """Whether the output holds the message's answer (after any inline reasoning). A turn that
+    calls tools is the template's own markup, which may leave its content out."""
+    if message.get("tool_calls"):
+        return True
+    return message["content"].rpartition("</think>")[2].strip() in output
 
-    A tool call's markup is the template's own (``<tool_call>``, ``[TOOL_CALLS]``, ...), so
-    the turn is found as the text the message adds to the chat rather than by searching
-    for its content. Trailing whitespace is left out, as it is outside a content span.
+
+@dataclass
+class ChatSamples:
+    """A conversation's samples as (text, learned spans), and its assistant turns' fate."""
+
+    samples: list[tuple[str, list[Span]]] = field(default_factory=list)
+    learned: int = 0
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    """(message index, reason) of every assistant turn left out."""
+
+
+def assistant_indices(messages: Sequence[dict]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+
+
+def per_turn_samples(render: Render, messages: Sequence[dict], tools=None) -> ChatSamples:
+    """One sample per assistant turn: its prompt, then its output (learned)."""
+    out = ChatSamples()
+    for i in assistant_indices(messages):
+        turn = served_turn(render, messages, i, tools)
+        if isinstance(turn, str):
+            out.skipped.append((i, turn))
+            continue
+        start = len(turn.prompt)
+        out.samples.append((turn.prompt + turn.output, [(start, start + len(turn.output))]))
+        out.learned += 1
+    return out
+
+
+def conversation_sample(
+    render: Render,
+    messages: Sequence[dict],
+    tools: list | None,
+    text: str | None,
+    limit: int | None = None,
+) -> ChatSamples:
+    """The whole chat ``text`` (None: the template failed on it) as one sample, learning each
+    turn whose served output it shows in full.
+
+    Turns that start at or after character ``limit`` are not looked at: truncation cuts them.
     """
-    turn = render(upto)
-    end = len(turn) if text.startswith(turn) else _common_prefix(turn, text)
-    return start, start + len(text[start:end].rstrip())
+    out = ChatSamples()
+    if text is None:
+        out.skipped = [(i, "template_error") for i in assistant_indices(messages)]
+        return out
+    spans: list[Span] = []
+    searched = 0
+    for i in assistant_indices(messages):
+        turn = served_turn(render, messages, i, tools)
+        if isinstance(turn, str):
+            out.skipped.append((i, turn))
+            continue
+        start = max(_turn_start(render, messages[:i], tools, turn.prompt, text), searched)
+        if limit is not None and start >= limit:
+            break
+        at = text.find(turn.output, start)
+        if at < 0:
+            out.skipped.append((i, "not_shown_in_full"))
+            continue
+        searched = at + len(turn.output)
+        spans.append((at, searched))
+        out.learned += 1
+    out.samples.append((text, spans))
+    return out
+
+
+def _turn_start(render: Render, before: Sequence[dict], tools, prompt: str, text: str) -> int:
+    """Where a turn's search starts: after its prompt, or, for a generation prompt that is not
+    a prefix of the rendered chat (Qwen3 without thinking), after the chat before the turn."""
+    if text.startswith(prompt):
+        return len(prompt)
+    try:
+        history = render(before, tools=tools) if before else ""
+    except TEMPLATE_FAILURES:
+        history = ""
+    if history and text.startswith(history):
+        return len(history)
+    return _common_prefix(prompt, text)
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -128,31 +253,91 @@ def loss_mask(
     return mask
 
 
+def encode_chats(
+    tokenizer: PreTrainedTokenizerFast,
+    chats: Sequence[Mapping],
+    turns: str = "per_conversation",
+    options: Mapping | None = None,
+    max_tokens: int | None = None,
+) -> list[tuple[list[tuple[np.ndarray, np.ndarray]], ChatSamples]]:
+    """Samples of every chat (``{"messages", "tools"?}``): token ids (uint32) and loss mask
+    (uint8, 1 = learn) per sample, with the chat's :class:`ChatSamples` (texts dropped).
+
+    One fast-tokenizer call for all. With ``max_tokens`` every sample is cut to at most that
+    many tokens; ``per_conversation`` then searches the mask only in the part that is kept,
+    which saves most of the work on long chats.
+    """
+    if turns not in TURN_POLICIES:
+        raise ValueError(f"turns = {turns!r}: allowed are {', '.join(TURN_POLICIES)}")
+    render = template_renderer(tokenizer, options)
+    if turns == "per_turn":
+        plans = [per_turn_samples(render, c["messages"], c.get("tools")) for c in chats]
+        texts = [text for plan in plans for text, _ in plan.samples]
+        encodings = _encode_batch(tokenizer, texts)
+    else:
+        texts = [_render_chat(render, c) for c in chats]
+        encodings = _encode_batch(tokenizer, [text or "" for text in texts])
+        plans = [
+            conversation_sample(render, c["messages"], c.get("tools"), text, _limit(e, max_tokens))
+            for c, text, e in zip(chats, texts, encodings, strict=True)
+        ]
+    ends, encodings = end_of_turn_ids(tokenizer), iter(encodings)
+    results = []
+    for plan in plans:
+        encoded = []
+        for _, spans in plan.samples:
+            ids, offsets = _arrays(next(encodings), max_tokens)
+            encoded.append((ids, loss_mask(ids, offsets, spans, ends)))
+        plan.samples = []
+        results.append((encoded, plan))
+    return results
+
+
+def _render_chat(render: Render, chat: Mapping) -> str | None:
+    try:
+        return render(chat["messages"], tools=chat.get("tools"))
+    except TEMPLATE_FAILURES:
+        return None
+
+
+def _limit(encoding, max_tokens: int | None) -> int | None:
+    """The character where a sample cut to ``max_tokens`` ends (None: nothing is cut)."""
+    if max_tokens is None or not encoding.offsets[:max_tokens]:
+        return None
+    return encoding.offsets[:max_tokens][-1][1]
+
+
+def _arrays(encoding, max_tokens: int | None) -> tuple[np.ndarray, np.ndarray]:
+    ids = encoding.ids[:max_tokens]
+    offsets = encoding.offsets[:max_tokens]
+    ids = np.fromiter(ids, dtype=np.uint32, count=len(ids))
+    flat = itertools.chain.from_iterable(offsets)
+    offsets = np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
+    return ids, offsets
+
+
 def encode_conversations(
     tokenizer: PreTrainedTokenizerFast,
     conversations: Sequence[Sequence[dict]],
     max_tokens: int | None = None,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Batch version of :func:`encode_conversation`: one fast-tokenizer call for all.
+    """Each conversation as one sample (``per_conversation``), every assistant turn learned.
 
-    With ``max_tokens`` every sample is cut to at most that many tokens, and the loss mask is
-    only searched for in the part that is kept, which saves most of the work on long chats.
+    Strict, for callers that expect every turn to be mapped: a turn left out is an error.
     """
-    render = template_renderer(tokenizer)
-    texts = [render(messages) for messages in conversations]
-    ends = end_of_turn_ids(tokenizer)
+    chats = [{"messages": messages} for messages in conversations]
     results = []
-    for messages, text, encoding in zip(
-        conversations, texts, _encode_batch(tokenizer, texts), strict=True
+    for messages, (encoded, samples) in zip(
+        conversations, encode_chats(tokenizer, chats, max_tokens=max_tokens), strict=True
     ):
-        ids = encoding.ids[:max_tokens]
-        offsets = encoding.offsets[:max_tokens]
-        ids = np.fromiter(ids, dtype=np.uint32, count=len(ids))
-        flat = itertools.chain.from_iterable(offsets)
-        offsets = np.fromiter(flat, dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
-        limit = int(offsets[-1, 1]) if max_tokens is not None and len(ids) else None
-        spans = assistant_spans(render, messages, text, limit)
-        results.append((ids, loss_mask(ids, offsets, spans, ends)))
+        if samples.skipped:
+            i, reason = samples.skipped[0]
+            raise ChatTemplateError(
+                f"assistant message {i} does not appear in the rendered chat ({reason}): the "
+                f"template rewrites it, so its loss mask cannot be found. "
+                f"Content: {messages[i]['content']!r}"
+            )
+        results.append(encoded[0])
     return results
 
 

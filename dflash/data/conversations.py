@@ -1,14 +1,17 @@
 """Parquet storage of normalized conversations, the format every data stage hands on.
 
-One row per conversation: ``conversation_id`` and ``messages``, a list of messages as
-:mod:`dflash.data.records` normalizes them (``role``, ``content``, and ``tool_calls`` on
-assistant messages that call tools). Files are written in row groups of
+One row per conversation: ``conversation_id``, ``messages``, a list of messages as
+:mod:`dflash.data.records` normalizes them (``role``, ``content``, ``reasoning_content``,
+``tool_calls`` with their ``id``, ``tool_call_id`` and ``name`` on tool results), and
+``tools``, the conversation's function schemas as JSON text (schemas nest freely, so no Arrow
+type fits them all; rows read back hold the parsed list). Files are written in row groups of
 :data:`ROW_GROUP` conversations, so writers and readers hold one group in memory whatever
 the corpus size.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -21,12 +24,26 @@ TOOL_CALL = pa.struct(
     [
         ("type", pa.string()),
         ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())])),
+        ("id", pa.string()),
     ]
 )
 MESSAGE = pa.struct(
-    [("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(TOOL_CALL))]
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("reasoning_content", pa.string()),
+        ("tool_calls", pa.list_(TOOL_CALL)),
+        ("tool_call_id", pa.string()),
+        ("name", pa.string()),
+    ]
 )
-SCHEMA = pa.schema([("conversation_id", pa.string()), ("messages", pa.list_(MESSAGE))])
+SCHEMA = pa.schema(
+    [
+        ("conversation_id", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("tools", pa.string()),
+    ]
+)
 ROW_GROUP = 4096
 """Conversations per row group: a few MB of text, the unit of reading and writing."""
 
@@ -40,7 +57,7 @@ class ConversationWriter:
         self.count = 0
 
     def write(self, row: dict) -> None:
-        self._rows.append(row)
+        self._rows.append(_stored(row))
         self.count += 1
         if len(self._rows) == ROW_GROUP:
             self._flush()
@@ -53,6 +70,14 @@ class ConversationWriter:
         if self._rows:
             self._writer.write_batch(pa.RecordBatch.from_pylist(self._rows, schema=SCHEMA))
             self._rows = []
+
+
+def _stored(row: dict) -> dict:
+    """``row`` as a Parquet row: its tool schemas as JSON text."""
+    tools = row.get("tools")
+    if tools is None or isinstance(tools, str):
+        return row
+    return {**row, "tools": json.dumps(tools, ensure_ascii=False) if tools else None}
 
 
 def write_conversations(rows: Iterable[dict], path: str | Path) -> None:
@@ -94,13 +119,25 @@ def open_parquet(path: str | Path) -> pq.ParquetFile:
 
 
 def batch_rows(batch: pa.RecordBatch) -> list[dict]:
-    """A batch as dicts; fields a message lacks are absent, as chat templates expect."""
+    """A batch as dicts; fields a message or conversation lacks are absent, as chat templates
+    expect (``tools`` is present only when the conversation has tool schemas)."""
     rows = batch.to_pylist()
     for row in rows:
-        row["messages"] = [
-            {key: value for key, value in m.items() if value is not None} for m in row["messages"]
-        ]
+        row["messages"] = [_present(m) for m in row["messages"]]
+        tools = row.pop("tools", None)
+        if tools:
+            row["tools"] = json.loads(tools)
     return rows
+
+
+def _present(message: dict) -> dict:
+    message = {key: value for key, value in message.items() if value is not None}
+    if "tool_calls" in message:
+        message["tool_calls"] = [
+            {key: value for key, value in call.items() if value is not None}
+            for call in message["tool_calls"]
+        ]
+    return message
 
 
 def count_conversations(path: str | Path) -> int:

@@ -144,6 +144,7 @@ class Tally:
         except RecursionError:  # a record the reader took, too deep to normalise or hash
             _note(self.skipped["too_deep"], number)
             return None
+        content = content_digest(conversation["messages"], conversation.get("tools", ()))
         if content in self.seen_content:
             _note(self.duplicates, number)
             return None

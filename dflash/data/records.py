@@ -8,9 +8,13 @@ raises :class:`RecordError` whose ``reason`` is one of :data:`REASONS`, so inges
 every skipped record by cause.
 
 A normalized message is ``{"role", "content"}`` with role ``system``, ``user``, ``assistant``
-or ``tool``; an assistant message may add ``tool_calls``, each ``{"type": "function",
-"function": {"name", "arguments"}}`` with the arguments as JSON text: the shape Hugging Face
-chat templates render.
+or ``tool``; an assistant message may add ``reasoning_content`` (also read from ``reasoning``
+or ``thinking``) and ``tool_calls``, each ``{"type": "function", "function": {"name",
+"arguments"}}`` with the arguments as JSON text and the call's ``id`` when it has one; a tool
+message may add ``tool_call_id`` and ``name``. A conversation may carry ``tools``, the OpenAI
+function schemas its target was served with (ShareGPT: a ``tools`` list or JSON text, or a
+``system`` field holding one). That is everything chat templates read: the shape Hugging Face
+``apply_chat_template(messages, tools=...)`` renders. Fields a record lacks stay absent.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ SHAREGPT_ROLES = {
     "tool": "tool",
 }
 BOM = b"\xef\xbb\xbf"
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+"""Where records put an assistant's reasoning, first match wins; stored as ``reasoning_content``."""
 
 
 class RecordError(ValueError):
@@ -67,7 +73,7 @@ def _loads(text: str) -> object:
 
 
 def parse_record(record: object) -> dict:
-    """Normalize ``record`` to ``{"conversation_id", "messages": [message, ...]}``."""
+    """Normalize ``record`` to ``{"conversation_id", "messages": [...]}`` plus ``tools``."""
     if not isinstance(record, dict):
         raise RecordError("wrong_shape", f"record is a {type(record).__name__}, not an object")
     if record.get("messages") is not None:
@@ -83,24 +89,85 @@ def parse_record(record: object) -> dict:
     messages = [parse_turn(turn, i) for i, turn in enumerate(turns)]
     if not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no_assistant_turn", "no turn has the assistant role")
-    return {"conversation_id": record_id(record, messages), "messages": messages}
+    tools, system = record_tools(record, parse_turn is _sharegpt_turn)
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    conversation = {"conversation_id": record_id(record, messages, tools), "messages": messages}
+    if tools:
+        conversation["tools"] = tools
+    return conversation
+
+
+def record_tools(record: dict, sharegpt: bool) -> tuple[list[dict], str]:
+    """The record's tool schemas, and a ShareGPT record-level system prompt (else "").
+
+    ShareGPT exports keep both beside the turns, as JSON text or as values; a ``system`` field
+    that holds a list of schemas is a tool list, not a prompt.
+    """
+    tools, system = record.get("tools"), record.get("system") if sharegpt else None
+    if isinstance(system, str) and system.lstrip().startswith("["):
+        system = _loads(system)
+    if isinstance(system, list):
+        tools, system = tools or system, None
+    if isinstance(tools, str):
+        tools = _loads(tools) if tools.strip() else None
+    if tools is None:
+        return [], system if isinstance(system, str) else ""
+    if not isinstance(tools, list):
+        raise RecordError("wrong_shape", "tools is not a list of function schemas")
+    return [_tool_schema(tool) for tool in tools], system if isinstance(system, str) else ""
+
+
+def _tool_schema(tool: object) -> dict:
+    """An OpenAI tool schema ``{"type": "function", "function": {"name", ...}}``; a bare
+    function schema (ShareGPT exports) is wrapped into one."""
+    if isinstance(tool, dict) and "function" not in tool and "name" in tool:
+        tool = {"type": "function", "function": tool}
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RecordError("wrong_shape", "a tool schema has no function name")
+    return tool
 
 
 def _openai_turn(turn: object, i: int) -> dict:
     role = OPENAI_ROLES[_role(turn, i, "role", OPENAI_ROLES)]
     calls = turn.get("tool_calls") if role == "assistant" else None
     tool_calls = [_tool_call(call, i) for call in _list(calls, i)] if calls else []
-    return _message(role, _text(turn.get("content"), i), tool_calls, i)
+    message = _message(role, _text(turn.get("content"), i), tool_calls, i, _reasoning(turn, i))
+    return _tool_result_ids(message, turn, i)
 
 
 def _sharegpt_turn(turn: object, i: int) -> dict:
     sender = _role(turn, i, "from", SHAREGPT_ROLES)
     value = turn.get("value")
     if sender != "function_call":
-        return _message(SHAREGPT_ROLES[sender], _text(value, i), [], i)
+        message = _message(SHAREGPT_ROLES[sender], _text(value, i), [], i, _reasoning(turn, i))
+        return _tool_result_ids(message, turn, i)
     calls = _loads(value) if isinstance(value, str) else value
     calls = calls if isinstance(calls, list) else [calls]
     return _message("assistant", "", [_tool_call(call, i) for call in calls], i)
+
+
+def _reasoning(turn: dict, i: int) -> str:
+    """The reasoning an assistant turn carries beside its content, under any of its names."""
+    if turn.get("role", turn.get("from")) not in ("assistant", "gpt"):
+        return ""
+    value = next((turn[k] for k in REASONING_KEYS if turn.get(k) is not None), "")
+    return _text(value, i)
+
+
+def _tool_result_ids(message: dict, turn: dict, i: int) -> dict:
+    """A tool result keeps the id of the call it answers and the tool's name (Mistral-style
+    templates render both)."""
+    if message["role"] != "tool":
+        return message
+    for key in ("tool_call_id", "name"):
+        value = turn.get(key)
+        if value is not None and not isinstance(value, str):
+            raise RecordError("wrong_shape", f"turn {i} {key} is not a string")
+        if value:
+            message[key] = value
+    return message
 
 
 def _role(turn: object, i: int, key: str, roles: dict) -> str:
@@ -142,31 +209,41 @@ def _tool_call(call: object, i: int) -> dict:
     arguments = function.get("arguments", {})
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+    normalized = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    call_id = call.get("id") if isinstance(call, dict) else None
+    if call_id is not None and not isinstance(call_id, str):
+        raise RecordError("wrong_shape", f"turn {i} has a tool call id that is not a string")
+    if call_id:
+        normalized["id"] = call_id
+    return normalized
 
 
-def _message(role: str, content: str, tool_calls: list[dict], i: int) -> dict:
-    if not tool_calls and not content.strip():
+def _message(role: str, content: str, tool_calls: list[dict], i: int, reasoning: str = "") -> dict:
+    if not tool_calls and not content.strip() and not reasoning.strip():
         raise RecordError("empty_content", f"turn {i} has no content")
     message = {"role": role, "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message
 
 
-def record_id(record: dict, messages: list[dict]) -> str:
-    """The record's own ``id``/``conversation_id``, else a hash of its messages (stable)."""
+def record_id(record: dict, messages: list[dict], tools: list[dict] = ()) -> str:
+    """The record's own ``id``/``conversation_id``, else a hash of its content (stable)."""
     for key in ("conversation_id", "id"):
         value = record.get(key)
         if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
             return str(value)
-    return content_digest(messages).hex()
+    return content_digest(messages, tools).hex()
 
 
-def content_digest(messages: list[dict]) -> bytes:
-    """128-bit hash of the normalized messages: equal exactly when the conversations are equal.
+def content_digest(messages: list[dict], tools: list[dict] = ()) -> bytes:
+    """128-bit hash of the normalized messages (and tools, when there are any): equal exactly
+    when the conversations are equal.
 
     Sixteen bytes a conversation is all deduplication keeps in memory.
     """
-    canonical = json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+    content = [messages, list(tools)] if tools else messages
+    canonical = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).digest()[:16]

@@ -4,7 +4,12 @@ DFlash's drafter learns to predict what the target would say, so it trains on th
 outputs rather than on the human-written replies. Turn by turn, each assistant message is
 regenerated from the conversation so far, in which earlier assistant turns are already the
 target's (turns that start past the ``data.max_seq_len`` window are left as written: no
-stage downstream ever sees them). Work is written in shards, each committed by a small JSON
+stage downstream ever sees them). Prompts are rendered as the target is served: with the
+conversation's ``tools`` and ``data.chat_template_kwargs`` (e.g. ``enable_thinking``). An
+answer is stored as the text the target generated, reasoning included, as the assistant
+``content``: a thinking target's ``<think>...</think>`` stays inline (those markers are not
+special tokens), and the template decides how to show it (Qwen3's splits it into its
+reasoning block itself). Work is written in shards, each committed by a small JSON
 file carrying a fingerprint of everything that decides its content, so an interrupted run
 resumes at the first shard missing and never reuses a shard made with other params, target
 or data.
@@ -122,6 +127,7 @@ def regenerate_shard(
     config: RegenerateConfig,
     max_seq_len: int,
     progress: tqdm,
+    template_kwargs: dict | None = None,
 ) -> tuple[list[dict], dict]:
     """Regenerate the assistant turns of ``rows``, round by round across conversations.
 
@@ -132,7 +138,7 @@ def regenerate_shard(
     never be trained on: they stay as written and are counted as ``outside_window``.
     Within a round, prompts are batched in order of length to keep left padding small.
     """
-    render = template_renderer(tokenizer)
+    render = template_renderer(tokenizer, template_kwargs)
     budget = max_seq_len - config.max_new_tokens
     stop_ids = stop_token_ids(tokenizer)
     generation = generation_config(config, stop_ids, tokenizer.pad_token_id)
@@ -143,7 +149,10 @@ def regenerate_shard(
         slots = [(i, t[r]) for i, t in enumerate(turns) if len(t) > r]
         if not slots:
             break
-        texts = [render(rows[i]["messages"][:j], add_generation_prompt=True) for i, j in slots]
+        texts = [
+            render(rows[i]["messages"][:j], add_generation_prompt=True, tools=rows[i].get("tools"))
+            for i, j in slots
+        ]
         prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
         for k in [k for k, p in enumerate(prompts) if len(p) >= max_seq_len]:
             i = slots[k][0]
@@ -203,11 +212,12 @@ def in_process(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[Back
     uninterrupted one would have; the engine is the device."""
     device, _ = target_device_dtype()
     model = load_target(paths.TARGET, device)
+    options = dict(config.data.chat_template_kwargs)
 
     def answer(rows: list[dict], index: int, progress: tqdm) -> tuple[list[dict], dict]:
         torch.manual_seed(config.regenerate.seed + index)
         return regenerate_shard(
-            model, tokenizer, rows, config.regenerate, config.data.max_seq_len, progress
+            model, tokenizer, rows, config.regenerate, config.data.max_seq_len, progress, options
         )
 
     return answer, {"device": device.type}
@@ -222,10 +232,10 @@ def served(
     from dflash.data import serving
 
     identity = serving.served_model(list(config.regenerate.endpoints), config.regenerate.model)
-    render = template_renderer(tokenizer)
+    render = template_renderer(tokenizer, chat_template_kwargs)
 
-    def prompt_length(messages: list[dict]) -> int:
-        text = render(messages, add_generation_prompt=True, **chat_template_kwargs)
+    def prompt_length(messages: list[dict], tools: list | None) -> int:
+        text = render(messages, add_generation_prompt=True, tools=tools)
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def answer(rows: list[dict], index: int, progress: tqdm) -> tuple[list[dict], dict]:
@@ -283,7 +293,7 @@ def regenerate(config: Config) -> dict:
         )
     tokenizer = load_tokenizer(paths.TOKENIZER)
     if config.regenerate.backend == "openai":
-        answer, engine = served(config, tokenizer, {})
+        answer, engine = served(config, tokenizer, dict(config.data.chat_template_kwargs))
     else:
         answer, engine = in_process(config, tokenizer)
     rows = read_conversations(paths.CONVERSATIONS)

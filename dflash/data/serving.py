@@ -101,10 +101,15 @@ def failure_reason(err: openai.APIError) -> str:
     return type(err).__name__
 
 
-async def complete(endpoints: Endpoints, messages: list[dict], request: Request, seed: int):
-    """The chat completion answering ``messages``, or None and why it failed at last."""
+async def complete(
+    endpoints: Endpoints, messages: list[dict], request: Request, seed: int, tools: list | None
+):
+    """The chat completion answering ``messages`` (with the conversation's ``tools``, as the
+    template shows them in the prompt), or None and why it failed at last."""
     extra = {"chat_template_kwargs": request.chat_template_kwargs}
     sampling = {"seed": seed} if request.temperature > 0 else {}
+    if tools:
+        sampling["tools"] = tools
     endpoint, reason = None, ""
     for attempt in range(request.max_retries + 1):
         if attempt:
@@ -158,8 +163,8 @@ class Turns:
 
     endpoints: Endpoints
     request: Request
-    prompt_length: Callable[[list[dict]], int]
-    """Tokens the target sees before answering ``messages``, as in process."""
+    prompt_length: Callable[[list[dict], list | None], int]
+    """Tokens the target sees before answering ``messages`` with ``tools``, as in process."""
     max_seq_len: int
     seed: Callable[[int, int], int]
     """The sampling seed of (row, turn): the same whichever endpoint answers it."""
@@ -169,15 +174,15 @@ class Turns:
 async def regenerate_row(turns: Turns, k: int, row: dict, answer_at: list[int]):
     """Row ``k`` with its turns ``answer_at`` regenerated one after another, its counts, and
     the reason it failed ('' when it did not)."""
-    messages = [dict(m) for m in row["messages"]]
+    messages, tools = [dict(m) for m in row["messages"]], row.get("tools")
     counts: Counter[str] = Counter()
     for r, j in enumerate(answer_at):
-        if turns.prompt_length(messages[:j]) >= turns.max_seq_len:
+        if turns.prompt_length(messages[:j], tools) >= turns.max_seq_len:
             counts["outside_window"] += len(answer_at) - r
             turns.progress.update(len(answer_at) - r)
             break
         response, reason = await complete(
-            turns.endpoints, messages[:j], turns.request, turns.seed(k, j)
+            turns.endpoints, messages[:j], turns.request, turns.seed(k, j), tools
         )
         if response is None:
             turns.progress.update(len(answer_at) - r)
@@ -263,7 +268,7 @@ def served_model(urls: list[str], model: str | None) -> dict:
 def regenerate_shard(
     rows: list[dict],
     answer_at: list[list[int]],
-    prompt_length: Callable[[list[dict]], int],
+    prompt_length: Callable[[list[dict], list | None], int],
     config: RegenerateConfig,
     request: Request,
     max_seq_len: int,

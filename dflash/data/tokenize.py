@@ -3,20 +3,25 @@
 Conversations stream through in chunks of ``data.chunk_size``, encoded by
 ``data.num_workers`` processes and written in input order, so memory is bounded by a few
 chunks whatever the corpus size and the store is byte-identical for any worker count. Each
-sample is cut to ``data.max_seq_len`` (or dropped, per ``data.overlength``) and dropped when
-it has fewer than ``2 x drafter.block_size`` loss tokens: too few for even one anchored
-block plus its targets. Every drop is counted.
+conversation becomes one sample or one per assistant turn (``data.turns``, see
+:mod:`dflash.data.chat`), rendered with ``data.chat_template_kwargs``. Each sample is cut to
+``data.max_seq_len`` (or dropped, per ``data.overlength``) and dropped when it has fewer than
+``2 x drafter.block_size`` loss tokens: too few for even one anchored block plus its targets.
+Every drop, and every assistant turn the template does not let us map, is counted; a run
+that keeps no sample fails with the report.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +30,7 @@ from transformers import PreTrainedTokenizerFast
 
 from dflash import paths
 from dflash.config import Config
-from dflash.data.chat import encode_conversations
+from dflash.data.chat import SKIP_REASONS, encode_chats
 from dflash.data.conversations import batch_rows, count_conversations, iter_batches
 from dflash.data.store import TokenStore, TokenStoreWriter
 from dflash.data.tokenizer import load_tokenizer, tokenizer_hash
@@ -44,6 +49,8 @@ class Policy:
     max_seq_len: int
     overlength: str
     min_loss_tokens: int
+    turns: str = "per_conversation"
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -58,6 +65,8 @@ class Encoded:
     read: int
     truncated: int
     dropped: dict[str, int]
+    turns: dict[str, int] = field(default_factory=dict)
+    """Assistant turns ``learned`` and left out, per reason of :data:`SKIP_REASONS`."""
 
 
 def encode_chunk(
@@ -66,12 +75,19 @@ def encode_chunk(
     """Encode, cut and filter one chunk of conversations."""
     rows = batch_rows(batch)
     # One token past the limit is enough to tell an overlength sample.
-    encoded = encode_conversations(
-        tokenizer, [row["messages"] for row in rows], max_tokens=policy.max_seq_len + 1
+    encoded = encode_chats(
+        tokenizer, rows, policy.turns, policy.chat_template_kwargs, policy.max_seq_len + 1
     )
     kept: list[tuple[np.ndarray, np.ndarray, str]] = []
     truncated, dropped = 0, dict.fromkeys(DROP_REASONS, 0)
-    for row, (ids, mask) in zip(rows, encoded, strict=True):
+    turns = dict.fromkeys(("learned", *SKIP_REASONS), 0)
+    samples = []
+    for row, (chat_samples, plan) in zip(rows, encoded, strict=True):
+        turns["learned"] += plan.learned
+        for _, reason in plan.skipped:
+            turns[reason] += 1
+        samples.extend((row, ids, mask) for ids, mask in chat_samples)
+    for row, ids, mask in samples:
         if len(ids) > policy.max_seq_len:
             if policy.overlength == "drop":
                 dropped["overlength"] += 1
@@ -91,6 +107,7 @@ def encode_chunk(
         read=len(rows),
         truncated=truncated,
         dropped=dropped,
+        turns=turns,
     )
 
 
@@ -164,13 +181,21 @@ def tokenize_chunks(
     progress=None,
 ) -> dict:
     """Encode and filter every chunk into ``writer``; returns the counts for the manifest."""
-    counts = {"conversations_read": 0, "truncated": 0, "dropped": dict.fromkeys(DROP_REASONS, 0)}
+    counts = {
+        "conversations_read": 0,
+        "turns": policy.turns,
+        "assistant_turns": dict.fromkeys(("learned", *SKIP_REASONS), 0),
+        "truncated": 0,
+        "dropped": dict.fromkeys(DROP_REASONS, 0),
+    }
     for chunk in encode_chunks(batches, tokenizer, policy, num_workers):
         writer.extend(chunk.tokens, chunk.mask, chunk.lengths, chunk.n_loss, chunk.ids)
         counts["conversations_read"] += chunk.read
         counts["truncated"] += chunk.truncated
         for reason, n in chunk.dropped.items():
             counts["dropped"][reason] += n
+        for reason, n in chunk.turns.items():
+            counts["assistant_turns"][reason] += n
         if progress is not None:
             progress.update(chunk.read)
     return counts
@@ -201,6 +226,7 @@ def tokenize_file(
         "max_seq_len": policy.max_seq_len,
         "overlength": policy.overlength,
         "min_loss_tokens": policy.min_loss_tokens,
+        "chat_template_kwargs": policy.chat_template_kwargs,
         **counts,
     }
     return writer.close(manifest)
@@ -225,23 +251,46 @@ def worker_count(configured: int | None) -> int:
     return configured if configured is not None else len(os.sched_getaffinity(0))
 
 
-def run(config: Config) -> None:
+class NoSamplesError(RuntimeError):
+    """No conversation gave a sample to train on; ``report`` says why."""
+
+    def __init__(self, report: dict) -> None:
+        super().__init__("no training samples")
+        self.report = report
+
+
+def run(config: Config) -> int:
     """Tokenize ``data/regenerated/conversations.parquet`` into ``data/tokenized``."""
     tokenizer = load_tokenizer(paths.TOKENIZER)
-    policy = Policy(config.data.max_seq_len, config.data.overlength, 2 * config.drafter.block_size)
-    with atomic_dir(paths.TOKENIZED) as out:
-        manifest = tokenize_file(
-            paths.REGENERATED_CONVERSATIONS,
-            tokenizer,
-            out,
-            policy,
-            config.data.chunk_size,
-            worker_count(config.data.num_workers),
-        )
-        report = {**manifest, "length": length_summary(TokenStore(out).lengths)}
-        write_json_atomic(out / paths.TOKENIZE_REPORT.name, report)
+    data = config.data
+    policy = Policy(
+        data.max_seq_len,
+        data.overlength,
+        2 * config.drafter.block_size,
+        data.turns,
+        dict(data.chat_template_kwargs),
+    )
+    try:
+        with atomic_dir(paths.TOKENIZED) as out:
+            manifest = tokenize_file(
+                paths.REGENERATED_CONVERSATIONS,
+                tokenizer,
+                out,
+                policy,
+                data.chunk_size,
+                worker_count(data.num_workers),
+            )
+            report = {**manifest, "length": length_summary(TokenStore(out).lengths)}
+            if manifest["n_samples"] == 0:
+                raise NoSamplesError(report)
+            write_json_atomic(out / paths.TOKENIZE_REPORT.name, report)
+    except NoSamplesError as err:
+        print("tokenize: no training samples; nothing written. Report:", file=sys.stderr)
+        print(json.dumps(err.report, indent=2), file=sys.stderr)
+        return 1
     print(
         f"tokenize: {manifest['n_samples']} samples, {manifest['n_tokens']} tokens "
         f"({manifest['n_loss_tokens']} with loss), truncated {manifest['truncated']}, "
-        f"dropped {manifest['dropped']}"
+        f"dropped {manifest['dropped']}, assistant turns {manifest['assistant_turns']}"
     )
+    return 0

@@ -125,7 +125,8 @@ def tokenizer_hash(tokenizer: PreTrainedTokenizerFast) -> str:
 def corpus_texts(path: str | Path) -> Iterator[str]:
     """The text a BPE learns from, read one row group at a time: never the whole file.
 
-    Message contents and tool calls; template markup is special tokens and not learned.
+    Message contents, reasoning and tool calls; template markup is special tokens and not
+    learned.
     Strings, not lists of them: the trainer reads a few hundred items ahead, and a few
     hundred row groups would be the whole corpus again.
     """
@@ -133,6 +134,7 @@ def corpus_texts(path: str | Path) -> Iterator[str]:
         messages = batch.column("messages").flatten()
         calls = messages.field("tool_calls").flatten().field("function")
         yield from messages.field("content").drop_null().to_pylist()
+        yield from messages.field("reasoning_content").drop_null().to_pylist()
         yield from calls.field("name").to_pylist()
         yield from calls.field("arguments").to_pylist()
 

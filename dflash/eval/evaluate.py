@@ -1,7 +1,9 @@
 """Stage ``evaluate``: τ of the trained drafter on held-out prompts, against two baselines.
 
 Each prompt is a held-out conversation cut before one of its assistant turns (chosen with a
-seeded generator), rendered with the chat template the target serves. Every prompt is decoded
+seeded generator), rendered with the chat template the target serves, the conversation's tools
+and ``evaluate.chat_template_kwargs`` (null: ``data.chat_template_kwargs``, as trained), so
+one drafter can be scored with thinking on and off. Every prompt is decoded
 plainly greedy and then, through the same verifier, speculatively with the trained drafter,
 with n-gram prompt lookup and with the drafter at initialisation (same seed as training). The
 speculative outputs must equal greedy (DFlash is lossless); a difference is counted, as a
@@ -19,6 +21,7 @@ import torch
 
 from dflash import paths
 from dflash.config import Config
+from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
 from dflash.eval.freshness import stale_drafter
@@ -56,9 +59,16 @@ class Decodes:
     """Top-2 logit margins at the first divergence of any method (near-ties and mismatches)."""
 
 
+def template_kwargs(config: Config) -> dict:
+    """The template options prompts are rendered with: evaluate's own, else the training data's."""
+    own = config.evaluate.chat_template_kwargs
+    return dict(own if own is not None else config.data.chat_template_kwargs)
+
+
 def select_prompts(conversations: list[dict], tokenizer, config: Config) -> list[list[int]]:
     """Deterministic prompts: for each conversation, the turns before a random assistant turn."""
     rng = np.random.default_rng(config.evaluate.seed)
+    render = template_renderer(tokenizer, template_kwargs(config))
     budget = config.data.max_seq_len - config.evaluate.max_new_tokens
     prompts = []
     for conv in sorted(conversations, key=lambda c: c["conversation_id"]):
@@ -67,9 +77,8 @@ def select_prompts(conversations: list[dict], tokenizer, config: Config) -> list
         if not turns:
             continue
         cut = turns[int(rng.integers(len(turns)))]
-        ids = tokenizer.apply_chat_template(
-            messages[:cut], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        text = render(messages[:cut], add_generation_prompt=True, tools=conv.get("tools"))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append(list(ids)[-budget:])
         if len(prompts) == config.evaluate.num_prompts:
             break

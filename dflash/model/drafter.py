@@ -25,7 +25,7 @@ from dflash import paths
 from dflash.model import remote
 from dflash.model.attention import AnchorBlocks, BlockMask, attend
 from dflash.model.export import serving_keys
-from dflash.model.features import target_layer_ids as spread_layer_ids
+from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
 
 INIT_STD = 0.02
 """Normal init of every projection, as Qwen3's ``initializer_range``."""

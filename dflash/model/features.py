@@ -18,27 +18,6 @@ from torch import Tensor, nn
 from dflash.model.document_attention import DocumentLayout, document_attention
 
 
-def target_layer_ids(num_layers: int, n: int) -> list[int]:
-    """Indices of the target layers whose outputs are fused, ``round(1 + i*(L-4)/(n-1))``.
-
-    With a single feature (``n == 1``) the rule is undefined; the middle layer ``L // 2`` is the
-    natural single view (the choice of the public DFlash inference code).
-    """
-    if n < 1:
-        raise ValueError(f"number of target features n = {n}: must be at least 1")
-    if num_layers < 4 and n > 1:
-        raise ValueError(f"num_layers = {num_layers}: the spread rule needs at least 4 layers")
-    if n == 1:
-        return [num_layers // 2]
-    ids = [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
-    if len(set(ids)) != n:
-        raise ValueError(
-            f"n = {n} target features from {num_layers} layers repeat a layer ({ids}); "
-            f"use at most {num_layers - 3}"
-        )
-    return ids
-
-
 def select_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
     """Concatenate decoder-layer outputs (``hidden_states[0]`` is the embedding: layer i is i+1)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)

@@ -20,6 +20,7 @@ from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.fileio import atomic_dir, remove_files, write_json_atomic
 from dflash.fingerprint import digest
+from dflash.model.layer_ids import check_layer_selection, target_depth
 from dflash.model.load import load_target
 from dflash.model.pretrain import (
     build_tiny_target,
@@ -113,6 +114,8 @@ def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
 def run(config: Config) -> None:
     """Write ``models/target/`` and ``metrics/target.json``."""
     set_cpu_threads()
+    depth = target_depth(config.target.path, config.target.num_hidden_layers)
+    check_layer_selection(depth, config.drafter.num_target_features)
     tokenizer = load_tokenizer(paths.TOKENIZER)
     if config.target.path is None:
         pretrain_target(config, tokenizer)

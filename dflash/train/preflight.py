@@ -16,6 +16,8 @@ from dflash.batching.io import read_plan_meta
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.errors import ConfigError
+from dflash.model.layer_ids import check_layer_selection, target_depth
+from dflash.model.load import resolve_target_path
 from dflash.train.plan_check import check_plan
 
 
@@ -25,6 +27,9 @@ def preflight(config: Config) -> None:
         read_plan_meta(paths.PLANS), TokenStore(paths.TOKENIZED), config, config.train.world_size
     )
     check_capacity(config.train.world_size)
+    if paths.TARGET.exists():  # drafter.* changes rerun train, not the target stage's check
+        depth = target_depth(resolve_target_path(paths.TARGET), 0)
+        check_layer_selection(depth, config.drafter.num_target_features)
 
 
 def check_capacity(world_size: int) -> None:
