@@ -8,71 +8,11 @@ read is declared in ``dvc.yaml`` only (``dflash.declaration``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from dflash.errors import UndeclaredParamError
-
-INT_MAX = 2**31 - 1
-"""The largest integer param: plans, token stores and tensors hold counts in 32 bits."""
-
-Int = Annotated[int, Field(strict=True, le=INT_MAX)]
-Float = Annotated[float, Field(strict=False, allow_inf_nan=False)]
-"""Lax, because YAML 1.1 reads ``1e-3`` (no dot) as a string; ``nan`` and ``inf`` refused."""
-
-
-TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
-"""Names the pipeline itself hands every chat template."""
-
-
-def _template_options(value: dict[str, Any]) -> dict[str, Any]:
-    taken = sorted(set(value) & set(TEMPLATE_RESERVED))
-    if taken:
-        raise ValueError(f"{taken[0]} is set by the pipeline for every chat, not an option")
-    return value
-
-
-TemplateOptions = Annotated[dict[str, Any], AfterValidator(_template_options)]
-
-
-class Located(ValueError):
-    """A rule's error that already names its key (a cross-field or per-item rule)."""
-
-
-def _require(ok: bool, key: str, rule: str, value: Any = None) -> None:
-    """Raise a ``Located`` error for ``key`` unless ``ok``."""
-    if not ok:
-        raise Located(f"{key} = {value!r}: {rule}")
-
-
-class Section(BaseModel):
-    """A section of params: frozen, strict, unknown keys refused.
-
-    ``dflash.declaration.restrict`` removes the params a stage does not declare; reading one
-    of those lands in ``__getattr__`` and raises ``UndeclaredParamError``.
-    """
-
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, strict=True, use_attribute_docstrings=True
-    )
-
-    def __getattr__(self, name: str) -> Any:
-        if name in type(self).model_fields:
-            section = type(self).__name__.removesuffix("Config").lower()
-            raise UndeclaredParamError(
-                f"read param {section}.{name}, which dvc.yaml does not declare for this stage: "
-                "add it to the stage's params (or meta.knobs when it changes no output)"
-            )
-        return super().__getattr__(name)
+from dflash.param_types import Float, Int, Section, TemplateOptions, require
 
 
 class DataConfig(Section):
@@ -125,13 +65,13 @@ class TargetConfig(Section):
     @model_validator(mode="after")
     def _heads(self) -> TargetConfig:
         heads, kv = self.num_attention_heads, self.num_key_value_heads
-        _require(
+        require(
             self.hidden_size % heads == 0,
             "target.hidden_size",
             f"must be a multiple of target.num_attention_heads = {heads}",
             self.hidden_size,
         )
-        _require(
+        require(
             heads % kv == 0,
             "target.num_key_value_heads",
             f"must divide target.num_attention_heads = {heads}",
@@ -164,7 +104,7 @@ class RegenerateConfig(Section):
 
     @model_validator(mode="after")
     def _endpoints(self) -> RegenerateConfig:
-        _require(self.backend != "openai" or bool(self.endpoints), "regenerate.endpoints",
+        require(self.backend != "openai" or bool(self.endpoints), "regenerate.endpoints",
                  "the openai backend needs at least one URL, e.g. [http://127.0.0.1:8000/v1]",
                  self.endpoints)  # fmt: skip
         return self
@@ -223,7 +163,7 @@ class TrainConfig(Section):
     @classmethod
     def _betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
         for i, beta in enumerate(betas):
-            _require(0.0 <= beta < 1.0, f"train.betas[{i}]", "must be in [0, 1)", float(beta))
+            require(0.0 <= beta < 1.0, f"train.betas[{i}]", "must be in [0, 1)", float(beta))
         return betas
 
 
@@ -273,18 +213,18 @@ class Config(BaseModel):
         seq, budget, block = self.data.max_seq_len, self.batching.token_budget, self.drafter
         hold = f"must be below data.max_seq_len = {seq}, which must also hold the prompt"
         for key, new in (("regenerate", self.regenerate), ("evaluate", self.evaluate)):
-            _require(new.max_new_tokens < seq, f"{key}.max_new_tokens", hold, new.max_new_tokens)
+            require(new.max_new_tokens < seq, f"{key}.max_new_tokens", hold, new.max_new_tokens)
         loss, answer = 2 * block.block_size, self.regenerate.max_new_tokens
-        _require(not self.data.regenerate or answer >= loss, "regenerate.max_new_tokens",
+        require(not self.data.regenerate or answer >= loss, "regenerate.max_new_tokens",
                  f"a regenerated answer could never reach the {loss} loss tokens "
                  "(2 x drafter.block_size) a sample needs", answer)  # fmt: skip
-        _require(
+        require(
             budget >= seq,
             "batching.token_budget",
             f"must be >= data.max_seq_len = {seq}, so a micro-batch can hold the longest sample",
             budget,
         )
-        _require(
+        require(
             2 * block.block_size <= seq,
             "drafter.block_size",
             f"two blocks must fit in data.max_seq_len = {seq}",

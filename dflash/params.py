@@ -17,8 +17,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dflash import paths
-from dflash.config import Config, Located
+from dflash.config import Config
 from dflash.errors import ConfigError
+from dflash.param_types import Located
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
