@@ -21,10 +21,18 @@ TEMPLATE_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
 """Names the pipeline itself hands every chat template."""
 
 
+class SubkeyError(ValueError):
+    """A rule broken by one key inside a mapping param: the message names ``param.subkey``."""
+
+    def __init__(self, subkey: str, rule: str) -> None:
+        super().__init__(rule)
+        self.subkey, self.rule = subkey, rule
+
+
 def _template_options(value: dict[str, Any]) -> dict[str, Any]:
     taken = sorted(set(value) & set(TEMPLATE_RESERVED))
     if taken:
-        raise ValueError(f"{taken[0]} is set by the pipeline for every chat, not an option")
+        raise SubkeyError(taken[0], "set by the pipeline for every chat, not an option")
     return value
 
 

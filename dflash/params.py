@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from dflash import paths
 from dflash.config import Config
 from dflash.errors import ConfigError
-from dflash.param_types import Located
+from dflash.param_types import Located, SubkeyError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -170,6 +170,8 @@ def _describe(error: Any) -> str:
     kind, ctx, value = error["type"], error.get("ctx", {}), error.get("input")
     if kind == "value_error" and isinstance(ctx.get("error"), Located):
         return str(ctx["error"])
+    if kind == "value_error" and isinstance(ctx.get("error"), SubkeyError):
+        return f"{key}.{ctx['error'].subkey} = {value[ctx['error'].subkey]!r}: {ctx['error'].rule}"
     if kind == "extra_forbidden":
         where = key.rpartition(".")[0] or "top level"
         return f"unknown key {key} in {where}; allowed: {', '.join(allowed)}"

@@ -278,14 +278,15 @@ def test_interrupted_stages_leave_their_old_outputs(tmp_path, monkeypatch):
 def test_zero_samples_fails_with_the_report_and_writes_nothing(tmp_path, monkeypatch, capsys):
     """Every answer shorter than 2 x block_size loss tokens: exit 1, the report says why."""
     monkeypatch.chdir(tmp_path)
-    source = tmp_path / "chats.jsonl"
+    source = tmp_path / "data/raw/chats.jsonl"
+    source.parent.mkdir(parents=True)
     source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(3)))
     ingest.run(stage_config(source, eval_fraction=0.0))
     tokenizer.run(stage_config(source))
     paths.REGENERATED.mkdir(parents=True, exist_ok=True)
     paths.REGENERATED_CONVERSATIONS.write_bytes(paths.CONVERSATIONS.read_bytes())
     config = Config(
-        data=DataConfig(source=str(source), max_seq_len=512),
+        data=DataConfig(source=str(source), max_seq_len=512, regenerate=False),
         tokenizer=TokenizerConfig(vocab_size=300),
         drafter=DrafterConfig(block_size=200),
     )

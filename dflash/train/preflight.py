@@ -23,13 +23,13 @@ from dflash.train.plan_check import check_plan
 
 def preflight(config: Config) -> None:
     """Raise a user error (exit 2) for a run that cannot go well; warn for a slow one."""
+    if paths.TARGET.exists():  # drafter.* changes rerun train, not the target stage's check
+        depth = target_depth(resolve_target_path(paths.TARGET), 0)
+        check_layer_selection(depth, config.drafter.num_target_features)
     check_plan(
         read_plan_meta(paths.PLANS), TokenStore(paths.TOKENIZED), config, config.train.world_size
     )
     check_capacity(config.train.world_size)
-    if paths.TARGET.exists():  # drafter.* changes rerun train, not the target stage's check
-        depth = target_depth(resolve_target_path(paths.TARGET), 0)
-        check_layer_selection(depth, config.drafter.num_target_features)
 
 
 def check_capacity(world_size: int) -> None:
