@@ -95,7 +95,7 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    first = tiny_workspace / "checkpoints" / "step_00000001.pt.sha256"
+    first = tiny_workspace / paths.CHECKPOINTS / (paths.CHECKPOINT_NAME.format(step=1) + ".sha256")
     deadline = time.time() + 300
     while time.time() < deadline and not first.exists() and launcher.poll() is None:
         time.sleep(0.05)
