@@ -19,36 +19,30 @@ DOCS = [[10, 10, 7], [10, 13], [10]]
 """Document lengths per row; every row is padded to ``T``. The last row holds one document."""
 
 
+SHAPE = dict(
+    vocab_size=300,
+    hidden_size=32,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+)
+"""Both tiny targets: five layers, GQA, alike but for how they declare their windows."""
+
+
 def qwen3_alternating(window: int) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
+    layer_types = ["sliding_attention", "full_attention"] * 2 + ["sliding_attention"]
     config = Qwen3Config(
-        vocab_size=300,
-        hidden_size=32,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        use_sliding_window=True,
-        sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"] * 2 + ["sliding_attention"],
+        **SHAPE, use_sliding_window=True, sliding_window=window, layer_types=layer_types
     )
     return Qwen3ForCausalLM(config).eval()
 
 
 def mistral(window: int) -> MistralForCausalLM:
     torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=300,
-        hidden_size=32,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        sliding_window=window,
-    )
-    return MistralForCausalLM(config).eval()
+    return MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=window)).eval()
 
 
 def rows(lengths: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

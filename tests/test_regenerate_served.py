@@ -98,9 +98,15 @@ def test_two_endpoints_share_the_work(runs, servers):
     assert sum(turns.values()) == stats["turns_regenerated"]
 
 
-def test_the_served_corpus_tokenizes(runs):
-    run_stages(runs[0], ["tokenize"], ["data.num_workers=1"])
-    assert (runs[0] / paths.TOKEN_INDEX).exists()
+def test_the_served_corpus_trains_a_drafter(runs, tmp_path):
+    """The rest of the pipeline takes the served corpus: tokenize, plan and one epoch."""
+    directory = tmp_path / "ws"
+    shutil.copytree(runs[0], directory)
+    sets = ["data.num_workers=1", "train.world_size=1", "train.epochs=1", "logging.wandb=disabled"]
+    run_stages(directory, ["tokenize", "stats", "plan", "train"], sets)
+    assert (directory / paths.TOKEN_INDEX).exists()
+    assert (directory / paths.DRAFTER / paths.DRAFTER_WEIGHTS).exists()
+    assert json.loads((directory / paths.TRAIN_METRICS).read_text())["steps"] > 0
 
 
 def test_a_wrong_model_or_an_unreachable_endpoint_exits_2(template, servers, monkeypatch, capsys):
