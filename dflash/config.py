@@ -155,6 +155,9 @@ class TrainConfig(Section):
     num_workers: Int = Field(1, ge=0)
     prefetch: Int = Field(4, ge=1)
     seed: Int = Field(0, ge=0)
+    recompute: bool = False
+    """Recompute the drafter's layer activations in backward (same gradients, less memory):
+    a run knob, for the token budgets that do not fit otherwise (bench/gpu_memory.py)."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every rank holds the whole target and drafter; fsdp: both sharded per layer
     (``dflash.train.parallel``), for targets larger than one device."""

@@ -111,6 +111,24 @@ def test_gradients_reach_drafter_weights_only(target, drafter):
         p.requires_grad_(False)
 
 
+def test_recomputed_layers_give_the_same_gradients(target, drafter):
+    """``train.recompute`` trades memory for a second forward of the layers, nothing else:
+    gradients are bitwise those of the stored activations (the CPU kernel; FlexAttention has
+    no backward on CPU)."""
+    ids, docs, loss, pos = _inputs([list(range(1, 13))], [[0] * 12], [[1] * 12], [list(range(12))])
+    features = target_features(target, ids, pos, docs, drafter.config.target_layer_ids)
+    anchors = torch.tensor([[0, 3, 8, -1]])
+    grads = []
+    for recompute in (False, True):
+        drafter.recompute = recompute
+        drafter.zero_grad()
+        out = dflash_objective(drafter, features, ids, loss, docs, pos, anchors, 7.0)
+        out.loss_sum.backward()
+        grads.append([p.grad.clone() for p in drafter.parameters()])
+    drafter.recompute = False
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 def test_packed_and_padded_rows_give_the_same_loss(target, drafter):
     gen = torch.Generator().manual_seed(1)
     a = torch.randint(1, 290, (7,), generator=gen).tolist()

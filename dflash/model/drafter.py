@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash import paths
 from dflash.model import remote
@@ -216,6 +217,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.recompute = False
+        """Recompute each layer's activations in backward instead of keeping them
+        (``train.recompute``): less memory per token for one more forward of the layers."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=INIT_STD)
@@ -352,5 +356,9 @@ class DFlashDrafter(nn.Module):
         rope_block = rotary(block_positions, c.head_dim, c.rope_theta)
         rope_context = rotary(context_positions, c.head_dim, c.rope_theta)
         for layer in self.layers:
-            x = layer(x, context, rope_block, rope_context, mask, cache)
+            args = (x, context, rope_block, rope_context, mask, cache)
+            if self.recompute and torch.is_grad_enabled():
+                x = checkpoint(layer, *args, use_reentrant=False)
+            else:
+                x = layer(*args)
         return self.norm(x)

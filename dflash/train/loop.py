@@ -84,6 +84,7 @@ class Trainer:
             mask_token=tokenizer.mask_token,
             seed=config.train.seed,
         ).to(ctx.device)
+        self.drafter.recompute = config.train.recompute
         self.layer_ids = self.drafter.config.target_layer_ids
         t = config.train
         self.model = wrap_drafter(self.drafter, ctx, t.parallelism)
