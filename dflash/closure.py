@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
 
+from dflash.config import Config
+from dflash.declaration import declared_params, restrict, stages
 from dflash.fileio import sha256_file
 from dflash.fingerprint import digest
 
@@ -74,7 +77,7 @@ def closure(*starts: Path) -> frozenset[Path]:
             continue
         seen.add(path)
         todo += [module_file(name) for name in direct_imports(path)]
-    return frozenset(p.relative_to(ROOT) for p in seen if not _docstring_only(p))
+    return frozenset(p.relative_to(ROOT) for p in seen if not docstring_only(p))
 
 
 def module_closure(module: str) -> frozenset[Path]:
@@ -90,7 +93,18 @@ def code_digest(module: str) -> str:
     return digest({str(p): sha256_file(ROOT / p) for p in sorted(module_closure(module))})
 
 
-def _docstring_only(path: Path) -> bool:
+def declared_inputs(config: Config, name: str) -> dict[str, Any]:
+    """What stage ``name``'s outputs depend on by declaration: the params it declares (its knobs
+    change how it runs, not what it writes) and its code closure. Resumable work (training
+    checkpoints, regenerate shards) fingerprints these beside its data."""
+    declared = stages()[name]
+    return {
+        "params": declared_params(restrict(config, declared.params)),
+        "code": code_digest(declared.module),
+    }
+
+
+def docstring_only(path: Path) -> bool:
     body = ast.parse(path.read_text()).body
     return path.name == "__init__.py" and all(
         isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body

@@ -39,13 +39,18 @@ class Stage:
 
 
 @cache
-def stages() -> dict[str, Stage]:
-    """Every command by name: the stages of ``dvc.yaml``, then ``COMMANDS``."""
+def pipeline() -> dict[str, dict]:
+    """The stages of ``dvc.yaml`` as written (duplicate keys refused, as in params files)."""
     if not DVC_YAML.is_file():
         raise FileNotFoundError(2, "the pipeline declaration is missing", str(DVC_YAML))
-    declared = parse_yaml(DVC_YAML.read_text(), str(DVC_YAML))["stages"]
+    return parse_yaml(DVC_YAML.read_text(), str(DVC_YAML))["stages"]
+
+
+@cache
+def stages() -> dict[str, Stage]:
+    """Every command by name: the stages of ``dvc.yaml``, then ``COMMANDS``."""
     found = {}
-    for name, body in declared.items():
+    for name, body in pipeline().items():
         meta = body.get("meta") or {}
         found[name] = Stage(
             name, meta["entry"], tuple(body.get("params", ())), tuple(meta.get("knobs", ()))

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash.closure import PACKAGE, ROOT, closure, module_file
-from dflash.declaration import stages
+from dflash.closure import PACKAGE, ROOT, closure, docstring_only, module_file
+from dflash.declaration import pipeline, stages
 
 __all__ = ["ROOT", "code_deps", "covers", "dvc_stages", "readers_of", "stage_closure"]
 
 
 def dvc_stages() -> dict[str, dict]:
-    from dflash.declaration import DVC_YAML
-    from dflash.params import parse_yaml
-
-    return parse_yaml(DVC_YAML.read_text(), str(DVC_YAML))["stages"]
+    return pipeline()
 
 
 def stage_script(stage: dict) -> Path:
@@ -57,9 +54,7 @@ def closure_deps(name: str) -> list[str]:
     deps = set(files)
     for folder in sorted({str(Path(f).parent) for f in files if f.startswith(PACKAGE + "/")}):
         members = {
-            str(p.relative_to(ROOT))
-            for p in (ROOT / folder).rglob("*.py")
-            if not _docstring_only(p)
+            str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*.py") if not docstring_only(p)
         }
         if folder != PACKAGE and members <= files:
             deps = {d for d in deps if not covers(folder, Path(d))} | {folder}
@@ -89,12 +84,6 @@ def write_deps() -> None:
         in_deps = False
         out.append(line)
     DVC_YAML.write_text("".join(out))
-
-
-def _docstring_only(path: Path) -> bool:
-    from dflash.closure import _docstring_only as check
-
-    return check(path)
 
 
 if __name__ == "__main__":

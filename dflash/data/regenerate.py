@@ -29,7 +29,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from dflash import paths
-from dflash.closure import code_digest
+from dflash.closure import declared_inputs
 from dflash.config import Config, RegenerateConfig
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import (
@@ -38,7 +38,6 @@ from dflash.data.conversations import (
     write_conversations,
 )
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
-from dflash.declaration import declared_params, restrict, stages
 from dflash.fileio import atomic_path, write_json_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.load import load_target, target_device_dtype
@@ -56,14 +55,11 @@ def fingerprint(config: Config, engine: dict) -> str:
     """What a shard's content depends on: the params the stage declares (its knobs say where
     and how hard servers are asked, not what they answer), the engine (the device in process,
     the served model's identity through openai), target, tokenizer, input data, code."""
-    declared = stages()["regenerate"]
-    parts = {
-        "params": declared_params(restrict(config, declared.params)),
+    parts = declared_inputs(config, "regenerate") | {
         "engine": engine,
         "target": path_digest(paths.TARGET),
         "tokenizer": path_digest(paths.TOKENIZER),
         "conversations": path_digest(paths.CONVERSATIONS),
-        "code": code_digest(__name__),  # a fix to what shapes a shard invalidates it
     }
     return digest(parts)[:16]
 

@@ -24,10 +24,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dflash import paths
-from dflash.closure import code_digest
+from dflash.closure import declared_inputs
 from dflash.config import Config
-from dflash.declaration import declared_params, restrict, stages
-from dflash.fileio import remove_files, write_text_atomic
+from dflash.fileio import write_text_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.load import target_digest
 from dflash.train.dcp_safe import SafeLoadPlanner, SafeReader
@@ -173,26 +172,19 @@ def run_fingerprint(config: Config) -> str:
     bytes and so the fingerprint. The params are the ones ``train`` declares (its knobs
     change no weight); the code is the train stage's import closure (``dflash.closure``).
     """
-    declared = stages()["train"]
-    params = declared_params(restrict(config, declared.params))
     return digest(
-        {
-            "params": params,
+        declared_inputs(config, "train")
+        | {
             "tokens": path_digest(paths.TOKENIZED),
             "plans": path_digest(paths.PLANS),
             "target": target_digest(paths.TARGET),
             "tokenizer": path_digest(paths.TOKENIZER),
-            "code": code_digest(declared.module),
         }
     )
 
 
 def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str) -> int | None:
     """Load the newest intact checkpoint of this run into ``parts`` (its step), or start fresh."""
-    if ctx.is_main:
-        # A run under way has no final metrics: a kill before it ends must not leave the
-        # previous run's beside a new drafter (the metrics are written last, after export).
-        remove_files(paths.TRAIN_METRICS)
     step, skipped = load_latest(paths.CHECKPOINTS, fingerprint, parts)
     if ctx.is_main:
         for reason in skipped:

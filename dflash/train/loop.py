@@ -141,7 +141,8 @@ class Trainer:
         """Train; ``metrics/train.json``, written last, records the drafter it finished.
 
         It is removed first, so after an interrupted run its absence says that
-        ``models/drafter`` (if any) is older than the last run (:mod:`dflash.eval.freshness`).
+        ``models/drafter`` (if any) is older than the last run (:mod:`dflash.eval.freshness`),
+        and a kill never leaves the previous run's metrics beside a new drafter.
         """
         t = self.config.train
         if self.ctx.is_main:
