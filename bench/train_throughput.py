@@ -32,14 +32,29 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dflash import paths
+from dflash.data.conversations import write_conversations
 from dflash.data.store import TokenStoreWriter
-from dflash.data.tokenizer import IM_END, IM_START, MASK_TOKEN, PAD_TOKEN, tokenizer_hash
+from dflash.data.tokenizer import (
+    CHAT_TEMPLATE,
+    IM_END,
+    IM_START,
+    MASK_TOKEN,
+    PAD_TOKEN,
+    tokenizer_hash,
+)
 from dflash.model.pretrain import build_tiny_target
 from dflash.params import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"
-LINKED = ["data/tokenized", "data/stats", "models/target", "models/tokenizer"]
+LINKED = [
+    "data/tokenized",
+    "data/stats",
+    "models/target",
+    "models/tokenizer",
+    "data/ingested/heldout.parquet",
+]
+"""What a training run reads; the held-out split feeds its simulated τ."""
 SEEDLIKE_MU, SEEDLIKE_SIGMA = 5.2, 0.9
 """The spread of ``bench/plan_bench.py``'s seed-like lognormal; mu puts the mean after clipping
 to [64, 1024] at ~260, the seeds' lengths / 8."""
@@ -58,7 +73,7 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     words = special + [f"w{i}" for i in range(vocab_size - len(special))]
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
@@ -66,6 +81,8 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         mask_token=MASK_TOKEN,
         additional_special_tokens=[IM_START],
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def write_store(out: Path, lengths: np.ndarray, tokenizer, max_len: int, seed: int = 0) -> None:
@@ -91,6 +108,27 @@ def write_store(out: Path, lengths: np.ndarray, tokenizer, max_len: int, seed: i
     )
 
 
+def write_heldout(path: Path, vocab_size: int, n: int = 8, seed: int = 0) -> None:
+    """A few random-word conversations: the held-out batch of train's simulated τ."""
+    rng = np.random.default_rng(seed)
+
+    def words() -> str:
+        return " ".join(f"w{i}" for i in rng.integers(0, vocab_size - 8, 24))
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {
+            "conversation_id": f"h{i}",
+            "messages": [
+                {"role": "user", "content": words()},
+                {"role": "assistant", "content": words()},
+            ],
+        }
+        for i in range(n)
+    ]
+    write_conversations(rows, path)
+
+
 def build_seedlike(work: Path, args: argparse.Namespace) -> Path:
     """Write into ``work`` what a training run reads (the ``LINKED`` paths), then ``stats``."""
     config = load_config(PARAMS, shared_sets(args))
@@ -101,6 +139,7 @@ def build_seedlike(work: Path, args: argparse.Namespace) -> Path:
     # The shortest sample's second half holds the 2 x block_size loss tokens tokenize requires.
     lengths = seedlike_lengths(args.samples, 4 * config.drafter.block_size, args.max_len)
     write_store(work / paths.TOKENIZED, lengths, tokenizer, args.max_len)
+    write_heldout(work / paths.HELDOUT, config.tokenizer.vocab_size)
     print(
         f"seedlike: {len(lengths)} samples, {lengths.sum():,} tokens, mean {lengths.mean():.0f}, "
         f"median {np.median(lengths):.0f}, max {lengths.max()}, "

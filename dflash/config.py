@@ -170,6 +170,41 @@ class TrainConfig(Section):
         return betas
 
 
+SET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+"""A prompt set's name: a metrics key and part of a file name."""
+
+
+HELDOUT_SET = "heldout"
+"""The name the held-out split is scored and reported under."""
+
+
+class PromptSetConfig(Section):
+    """One prompt set ``evaluate`` scores; a key left null takes ``evaluate``'s own."""
+
+    path: str | None = None
+    """A ``.jsonl`` / ``.parquet`` file of conversations under data/raw/; null for ``heldout``."""
+    num_prompts: Int | None = Field(None, ge=1)
+    max_new_tokens: Int | None = Field(None, ge=1)
+    modes: dict[Annotated[str, Field(pattern=SET_NAME)], TemplateOptions] | None = None
+    """Template options per named mode, each prompt scored in every mode, e.g. {thinking:
+    {enable_thinking: true}, plain: {enable_thinking: false}}; null = one mode, ``default``,
+    with evaluate.chat_template_kwargs."""
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, path: str | None) -> str | None:
+        if path is not None and not path.endswith((".jsonl", ".parquet")):
+            raise ValueError("allowed are a path ending in '.jsonl' or '.parquet'")
+        return path
+
+    @field_validator("modes")
+    @classmethod
+    def _modes(cls, modes: dict | None) -> dict | None:
+        if modes is not None and not modes:
+            raise ValueError("name at least one mode, or null for the default one")
+        return modes
+
+
 class EvaluateConfig(Section):
     num_prompts: Int = Field(64, ge=1)
     max_new_tokens: Int = Field(48, ge=1)
@@ -179,6 +214,18 @@ class EvaluateConfig(Section):
     seed: Int = Field(0, ge=0)
     chat_template_kwargs: TemplateOptions | None = None
     """Template options for the prompts scored; None = data.chat_template_kwargs."""
+    sets: dict[Annotated[str, Field(pattern=SET_NAME)], PromptSetConfig] = {}
+    """Prompt sets scored beside the held-out split, by name; ``heldout`` (no path) sets the
+    held-out split's own modes, prompt count and answer length."""
+
+    @field_validator("sets")
+    @classmethod
+    def _sets(cls, sets: dict[str, PromptSetConfig]) -> dict[str, PromptSetConfig]:
+        for name, spec in sets.items():
+            rule = "the held-out split has no path" if spec.path else "a prompt set needs a path"
+            require((name == HELDOUT_SET) == (spec.path is None), f"evaluate.sets.{name}.path",
+                    rule, spec.path)  # fmt: skip
+        return sets
 
 
 class ExportConfig(Section):
@@ -215,8 +262,11 @@ class Config(BaseModel):
         """Rules that tie two sections together."""
         seq, budget, block = self.data.max_seq_len, self.batching.token_budget, self.drafter
         hold = f"must be below data.max_seq_len = {seq}, which must also hold the prompt"
-        for key, new in (("regenerate", self.regenerate), ("evaluate", self.evaluate)):
-            require(new.max_new_tokens < seq, f"{key}.max_new_tokens", hold, new.max_new_tokens)
+        answers = [("regenerate", self.regenerate), ("evaluate", self.evaluate)]
+        answers += [(f"evaluate.sets.{n}", s) for n, s in self.evaluate.sets.items()]
+        for key, new in answers:
+            if new.max_new_tokens is not None:
+                require(new.max_new_tokens < seq, f"{key}.max_new_tokens", hold, new.max_new_tokens)
         loss, answer = 2 * block.block_size, self.regenerate.max_new_tokens
         require(not self.data.regenerate or answer >= loss, "regenerate.max_new_tokens",
                  f"a regenerated answer could never reach the {loss} loss tokens "

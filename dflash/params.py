@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dflash import paths
-from dflash.config import Config
+from dflash.config import SET_NAME, Config
 from dflash.errors import ConfigError
 from dflash.param_types import Located, SubkeyError
 
@@ -110,7 +111,7 @@ OUTSIDE_RAW = (
 """The one wording of the rule, for the path as written (here) and links resolved (ingest)."""
 
 
-def check_source_location(source: str) -> None:
+def check_source_location(source: str, key: str = "data.source") -> None:
     """A file source must lie under ``paths.RAW``, which ``dvc.yaml`` tracks: elsewhere it
     could change unnoticed. Checked where params load from a file, not in the schema, so code
     and tests may point a ``DataConfig`` at any file."""
@@ -118,7 +119,7 @@ def check_source_location(source: str) -> None:
         return
     inside = Path(os.path.normpath(source)).parts[: len(paths.RAW.parts)]
     if Path(source).is_absolute() or Path(*inside) != paths.RAW:
-        raise ConfigError(f"data.source = {source!r}: {OUTSIDE_RAW}")
+        raise ConfigError(f"{key} = {source!r}: {OUTSIDE_RAW}")
 
 
 def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = ()) -> Config:
@@ -130,6 +131,9 @@ def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = 
         apply_override(raw, item)
     config = from_dict(raw)
     check_source_location(config.data.source)
+    for name, spec in config.evaluate.sets.items():
+        if spec.path is not None:
+            check_source_location(spec.path, f"evaluate.sets.{name}.path")
     return config
 
 
@@ -155,6 +159,7 @@ _RULES = {
     "string_type": "expected a string",
     "string_too_short": "must not be empty: name a token, or null",
     "model_type": "expected a mapping",
+    "dict_type": "expected a mapping",
     "model_attributes_type": "expected a mapping",
     "tuple_type": "expected a list",
     "too_short": "expected a list of 2 values",
@@ -172,6 +177,8 @@ def _describe(error: Any) -> str:
         return str(ctx["error"])
     if kind == "value_error" and isinstance(ctx.get("error"), SubkeyError):
         return f"{key}.{ctx['error'].subkey} = {value[ctx['error'].subkey]!r}: {ctx['error'].rule}"
+    if kind == "string_pattern_mismatch" and ctx.get("pattern") == SET_NAME:
+        return f"{key} = {value!r}: a name holds letters, digits, '_', '.' and '-' only"
     if kind == "extra_forbidden":
         where = key.rpartition(".")[0] or "top level"
         return f"unknown key {key} in {where}; allowed: {', '.join(allowed)}"
@@ -190,14 +197,30 @@ def _describe(error: Any) -> str:
 def _key_of(loc: tuple) -> tuple[str, list[str]]:
     """The dotted key of a pydantic location (union tags dropped), and the names allowed
     beside its last part (for an unknown key)."""
-    key, model, allowed = "", Config, sorted(Config.model_fields)
+    key, model, allowed, values = "", Config, sorted(Config.model_fields), None
     for part in loc:
         if isinstance(part, int):
             key += f"[{part}]"
+        elif part == "[key]":  # the mapping's name itself broke a rule
+            continue
+        elif values is not None:  # a name in a mapping param, e.g. evaluate.sets.<name>
+            key, model, values = f"{key}.{part}", _model(values), None
         elif model is not None and (part in model.model_fields or part == loc[-1]):
             allowed = sorted(model.model_fields)
             key = f"{key}.{part}" if key else str(part)
             field = model.model_fields.get(part)
             kind = field.annotation if field else None
-            model = kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+            model, values = _model(kind), _mapping_values(kind)
     return key, allowed
+
+
+def _model(kind: Any) -> type[BaseModel] | None:
+    return kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
+
+
+def _mapping_values(kind: Any) -> Any:
+    """The value type of a mapping annotation (``dict[str, X]``, or one in a union), else None."""
+    for option in (kind, *typing.get_args(kind)):
+        if typing.get_origin(option) is dict:
+            return typing.get_args(option)[1]
+    return None

@@ -81,6 +81,8 @@ TRAIN_LOG = TRAIN_PLOTS / "log.csv"
 EVAL_METRICS = Path("metrics/eval.json")
 EVAL_PLOTS = Path("plots/eval")
 EVAL_ACCEPTANCE = EVAL_PLOTS / "acceptance.csv"
+EVAL_STRATA = EVAL_PLOTS / "strata.csv"
+"""τ per prompt set and stratum (``all`` first), with the interval and the n-gram baseline."""
 TRAIN_LIVE = Path("dvclive/train")
 """DVCLive's copy of the training curves and summary, written at every log row (rank 0)."""
 EVAL_LIVE = Path("dvclive/evaluate")

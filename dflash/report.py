@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash import paths
-from dflash.config import Config
+from dflash.config import HELDOUT_SET, Config
 from dflash.data.conversations import read_conversations
 from dflash.eval.freshness import stale_drafter
 from dflash.eval.loops import text_ends_in_loop
+from dflash.eval.strata import rows
 
 TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
 PLAN_SUMMARY = paths.PLANS / paths.PLAN_SUMMARY
@@ -115,6 +116,7 @@ TRAINING: list[list[Cell]] = [
 EVALUATION: list[list[Cell]] = [
     [("tau/response", "acceptance_length", ".2f"), ("tau 95% CI", "ci", "s"),
      ("tau pooled", "acceptance_length_pooled", ".2f")],
+    [("tau z-lab", "acceptance_length_zlab", ".2f")],
     [("n-gram tau", "ngram_tau", ".2f"), ("untrained tau", "untrained_tau", ".2f"),
      ("x n-gram tau", "vs_ngram", ".2f")],
     [("speedup x", "speedup", ".2f"), ("n-gram speedup", "ngram_speedup", ".2f"),
@@ -210,6 +212,26 @@ def evaluation(d: dict) -> list[str]:
     return out + ([f"  {flag}"] if flag else [])
 
 
+def scorecard(d: dict) -> list[str]:
+    """Set x stratum: τ per response, its 95% interval, the n-gram baseline's τ, prompts."""
+    out = [f"{'':13}{'set':<12}{'stratum':<16}{'tau':>6}{'95% CI':>13}{'n-gram':>8}{'n':>6}"]
+    sets = {HELDOUT_SET: d, **as_dict(d.get("sets"))}
+    try:
+        flat = [r for name, metrics in sets.items() for r in rows(name, as_dict(metrics))]
+    except (AttributeError, TypeError, KeyError):  # a hand-edited or partial file: no table
+        return [f"{'':13}unreadable strata in {paths.EVAL_METRICS}"]
+    for r in flat:
+        ci = r.get("acceptance_length_ci95")
+        pair = isinstance(ci, list) and len(ci) == 2
+        shown = f"{num(ci[0], '.2f')}-{num(ci[1], '.2f')}" if pair else "n/a"
+        out.append(
+            f"{'':13}{r['set']:<12}{r['stratum']:<16}{num(r.get('acceptance_length'), '.2f'):>6}"
+            f"{shown:>13}{num(r.get('ngram_acceptance_length'), '.2f'):>8}"
+            f"{num(r.get('n_prompts')):>6}"
+        )
+    return out
+
+
 def section(label: str, stage: str, data: dict | str, lines: Any) -> list[str]:
     """``lines(data)`` under ``label``, or why there is nothing to show."""
     if isinstance(data, str):
@@ -239,6 +261,8 @@ def render_report(root: Path) -> str:
     lines += ["", *section("batching", "plan", plan, BATCHING)]
     lines += ["", *section("training", "train", read(root, paths.TRAIN_METRICS), TRAINING)]
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
+    if isinstance(ev, dict) and "strata" in ev:
+        lines += ["", *section("scorecard", "evaluate", ev, scorecard)]
     return "\n".join(lines) + "\n"
 
 

@@ -23,7 +23,7 @@ from dflash.model.generate import GenerateOutput
 def out(accepted, full=None, decode_s=1.0, prefill_s=0.0) -> GenerateOutput:
     full = [True] * len(accepted) if full is None else full
     tokens = [0] * (1 + sum(accepted))
-    return GenerateOutput(tokens, accepted, full, prefill_s=prefill_s, decode_s=decode_s)
+    return GenerateOutput(tokens, accepted, full, accepted, prefill_s=prefill_s, decode_s=decode_s)
 
 
 def test_acceptance_by_position_counts_drafts_not_the_bonus_token():

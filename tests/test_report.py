@@ -66,6 +66,7 @@ FILES = {
     },
     "metrics/eval.json": {
         "acceptance_length": 3.456,
+        "acceptance_length_zlab": 3.812,
         "acceptance_length_pooled": 3.012,
         "acceptance_length_ci95": [3.1, 3.8],
         "per_position_acceptance": [0.9, 0.75, 0.5],
@@ -132,6 +133,25 @@ def test_full_run_shows_key_figures(tmp_path):
     assert "LOSSLESS" not in text
     assert len(text.splitlines()) <= 40
     assert max(map(len, text.splitlines())) <= 100
+
+
+def test_scorecard_lists_every_set_and_stratum(tmp_path):
+    stratum = {"n_prompts": 7, "acceptance_length": 2.5, "acceptance_length_ci95": [2.0, 3.0],
+               "ngram_acceptance_length": 1.25}  # fmt: skip
+    empty = {"n_prompts": 0, "acceptance_length": None, "acceptance_length_ci95": None}
+    heldout = {**FILES["metrics/eval.json"], "strata": {"tools": {"with": empty}}}
+    gsm = {**heldout, "n_prompts": 9, "strata": {"length": {"short": stratum}}}
+    write(tmp_path, {"metrics/eval.json": {**heldout, "sets": {"gsm8k": gsm}}})
+    lines = render_report(tmp_path).splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("  scorecard")) :]
+    assert table[0].split() == ["scorecard", "set", "stratum", "tau", "95%", "CI", "n-gram", "n"]
+    assert table[1].split() == ["heldout", "all", "3.46", "3.10-3.80", "1.38", "20"]
+    assert table[2].split() == ["heldout", "tools:with", "n/a", "n/a", "n/a", "0"]
+    assert table[3].split() == ["gsm8k", "all", "3.46", "3.10-3.80", "1.38", "9"]
+    assert table[4].split() == ["gsm8k", "length:short", "2.50", "2.00-3.00", "1.25", "7"]
+    broken = {**heldout, "strata": {"tools": ["not", "a", "mapping"]}}
+    write(tmp_path, {"metrics/eval.json": broken})
+    assert "unreadable strata in metrics/eval.json" in render_report(tmp_path)
 
 
 def test_nonzero_mismatches_are_flagged(tmp_path):

@@ -27,7 +27,7 @@ def built(tiny_workspace_template):
             target, block_size=4, num_hidden_layers=1, num_target_features=2,
             mask_token_id=tokenizer.mask_token_id, seed=3,
         )  # fmt: skip
-        simulated = SimulatedTau.build(target, tokenizer, drafter, 96, NO_AUTOCAST)
+        simulated = SimulatedTau.build(target, tokenizer, drafter, 96, NO_AUTOCAST, {})
         yield target, tokenizer, drafter, simulated
     finally:
         os.chdir(cwd)
@@ -63,7 +63,7 @@ def test_block_tau_is_what_decoding_each_block_alone_accepts(built):
 def test_simulated_tau_is_deterministic_and_in_range(built, tiny_workspace_template, monkeypatch):
     target, tokenizer, drafter, simulated = built
     monkeypatch.chdir(tiny_workspace_template)
-    again = SimulatedTau.build(target, tokenizer, drafter, 96, NO_AUTOCAST)
+    again = SimulatedTau.build(target, tokenizer, drafter, 96, NO_AUTOCAST, {})
     assert simulated.measure(drafter) == again.measure(drafter) == simulated.measure(drafter)
     assert 1.0 <= simulated.measure(drafter) <= drafter.config.block_size
     assert simulated.seconds > 0

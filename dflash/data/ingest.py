@@ -76,18 +76,18 @@ def _lines(file) -> Iterator[bytes | None]:
         yield None
 
 
-def read_parquet(path: str | Path) -> Iterator[tuple[int, object]]:
+def read_parquet(path: str | Path, key: str = "data.source") -> Iterator[tuple[int, object]]:
     """``(row number, record)`` for every row of a Parquet file, one batch in memory.
 
     The file is opened before the first row is asked for, so one that is not Parquet is
     refused before any output is begun.
     """
-    parquet = _not_parquet_is_a_config_error(path, lambda: open_parquet(path))
+    parquet = _not_parquet_is_a_config_error(path, key, lambda: open_parquet(path))
 
     def rows() -> Iterator[tuple[int, object]]:
         number = 0
         batches = parquet.iter_batches(batch_size=READ_BATCH)
-        while batch := _not_parquet_is_a_config_error(path, lambda: next(batches, None)):
+        while batch := _not_parquet_is_a_config_error(path, key, lambda: next(batches, None)):
             for row in batch.to_pylist():
                 number += 1
                 yield number, row
@@ -95,14 +95,12 @@ def read_parquet(path: str | Path) -> Iterator[tuple[int, object]]:
     return rows()
 
 
-def _not_parquet_is_a_config_error(path: str | Path, read):
+def _not_parquet_is_a_config_error(path: str | Path, key: str, read):
     try:
         return read()
     except (pa.ArrowException, OSError) as err:
         why = " ".join(str(err).split())  # Arrow's messages span lines; the error is one
-        raise ConfigError(
-            f"data.source = {str(path)!r} is not a readable Parquet file: {why}"
-        ) from None
+        raise ConfigError(f"{key} = {str(path)!r}: not a readable Parquet file: {why}") from None
 
 
 def id_digest(conversation_id: str) -> bytes:
@@ -122,7 +120,8 @@ def _key(digest: bytes) -> int:
 class Tally:
     """The report's counts, and what deduplication must remember: 16 bytes per record."""
 
-    def __init__(self) -> None:
+    def __init__(self, need_answer: bool = True) -> None:
+        self.need_answer = need_answer
         self.records_read = 0
         self.skipped = {reason: _entry() for reason in REASONS}
         self.duplicates = _entry()
@@ -136,7 +135,7 @@ class Tally:
         try:
             if isinstance(record, RecordError):
                 raise record
-            conversation = parse_record(record)
+            conversation = parse_record(record, self.need_answer)
             content = content_digest(conversation["messages"])
         except RecordError as err:
             _note(self.skipped[err.reason], number)
@@ -240,26 +239,29 @@ def open_source(source: str) -> tuple[Iterable[tuple[int, object]], dict]:
                 yield record
 
         return enumerate(chats(), start=1), extra
-    if not Path(source).is_file():
-        raise ConfigError(f"data.source = {source!r}: no such file")
-    require_inside_raw(source)
-    if not os.access(source, os.R_OK):
-        raise ConfigError(f"data.source = {source!r}: not readable (permission denied)")
-    if source.endswith(".jsonl"):
-        return read_jsonl(source), {}
-    return read_parquet(source), {}
+    return open_records(source, "data.source"), {}
 
 
-def require_inside_raw(source: str) -> None:
-    """The source, links resolved, must lie under ``data/raw/`` (or DVC's cache it links to).
+def open_records(path: str, key: str) -> Iterable[tuple[int, object]]:
+    """Numbered records of a ``.jsonl`` / ``.parquet`` file under ``data/raw/`` named by ``key``."""
+    if not Path(path).is_file():
+        raise ConfigError(f"{key} = {path!r}: no such file")
+    require_inside_raw(path, key)
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"{key} = {path!r}: not readable (permission denied)")
+    return read_jsonl(path) if path.endswith(".jsonl") else read_parquet(path, key)
 
-    ``dvc.yaml`` tracks ``data/raw`` as ingest's dep: a link out of it would let the data change
-    with no rerun. Same rule and message as the params check on the path as written.
+
+def require_inside_raw(path: str, key: str) -> None:
+    """The file, links resolved, must lie under ``data/raw/`` (or DVC's cache it links to).
+
+    ``dvc.yaml`` tracks ``data/raw`` as a dep: a link out of it would let the data change with
+    no rerun. Same rule and message as the params check on the path as written.
     """
-    real = Path(source).resolve()
+    real = Path(path).resolve()
     if any(real.is_relative_to(root.resolve()) for root in (paths.RAW, paths.DVC_CACHE)):
         return
-    raise ConfigError(f"data.source = {source!r}: {OUTSIDE_RAW} (it is a link to {real})")
+    raise ConfigError(f"{key} = {path!r}: {OUTSIDE_RAW} (it is a link to {real})")
 
 
 def run(config: Config) -> int:

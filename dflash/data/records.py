@@ -72,8 +72,10 @@ def _loads(text: str) -> object:
         raise RecordError("too_deep", "nested deeper than the JSON parser goes") from None
 
 
-def parse_record(record: object) -> dict:
-    """Normalize ``record`` to ``{"conversation_id", "messages": [...]}`` plus ``tools``."""
+def parse_record(record: object, need_answer: bool = True) -> dict:
+    """Normalize ``record`` to ``{"conversation_id", "messages": [...]}`` plus ``tools``.
+
+    A prompt to be scored (``need_answer=False``) may hold no assistant turn yet."""
     if not isinstance(record, dict):
         raise RecordError("wrong_shape", f"record is a {type(record).__name__}, not an object")
     if record.get("messages") is not None:
@@ -87,7 +89,7 @@ def parse_record(record: object) -> dict:
     if not isinstance(turns, list) or not turns:
         raise RecordError("wrong_shape", "the turns field is not a non-empty list")
     messages = [parse_turn(turn, i) for i, turn in enumerate(turns)]
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_answer and not any(m["role"] == "assistant" for m in messages):
         raise RecordError("no_assistant_turn", "no turn has the assistant role")
     tools, system = record_tools(record, parse_turn is _sharegpt_turn)
     if system and messages[0]["role"] != "system":

@@ -1,13 +1,13 @@
-"""Stage ``evaluate``: τ of the trained drafter on held-out prompts, against two baselines.
+"""Stage ``evaluate``: τ of the trained drafter on prompt sets, against two baselines.
 
-Each prompt is a held-out conversation cut before one of its assistant turns (chosen with a
-seeded generator), rendered with the chat template the target serves, the conversation's tools
-and ``evaluate.chat_template_kwargs`` (null: ``data.chat_template_kwargs``, as trained), so
-one drafter can be scored with thinking on and off. Every prompt is decoded
-plainly greedy and then, through the same verifier, speculatively with the trained drafter,
-with n-gram prompt lookup and with the drafter at initialisation (same seed as training). The
-speculative outputs must equal greedy (DFlash is lossless); a difference is counted, as a
-near-tie when the target's top two logits at the first divergence are within rounding.
+The held-out split is always scored (its figures are the top-level keys of
+``metrics/eval.json``); ``evaluate.sets`` adds the user's prompt sets, each under ``sets``
+with the same keys (:mod:`dflash.eval.prompts` says how prompts are made). Every prompt is
+decoded plainly greedy and then, through the same verifier, speculatively with the trained
+drafter, with n-gram prompt lookup and with the drafter at initialisation (same seed as
+training). The speculative outputs must equal greedy (DFlash is lossless); a difference is
+counted, as a near-tie when the target's top two logits at the first divergence are within
+rounding. Each set is broken down by strata (:mod:`dflash.eval.strata`).
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dflash import paths
 from dflash.config import Config
-from dflash.data.chat import template_renderer
-from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
 from dflash.eval.freshness import stale_drafter
 from dflash.eval.length_loss import loss_by_tercile, sample_loss
@@ -31,6 +28,8 @@ from dflash.eval.loops import ends_in_loop
 from dflash.eval.lossless import classify
 from dflash.eval.metrics import acceptance_by_position, summarize_method, wall_seconds
 from dflash.eval.ngram import NgramProposer
+from dflash.eval.prompts import PromptSet, prompt_sets
+from dflash.eval.strata import strata
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import (
     DrafterProposer,
@@ -59,32 +58,6 @@ class Decodes:
     """Top-2 logit margins at the first divergence of any method (near-ties and mismatches)."""
 
 
-def template_kwargs(config: Config) -> dict:
-    """The template options prompts are rendered with: evaluate's own, else the training data's."""
-    own = config.evaluate.chat_template_kwargs
-    return dict(own if own is not None else config.data.chat_template_kwargs)
-
-
-def select_prompts(conversations: list[dict], tokenizer, config: Config) -> list[list[int]]:
-    """Deterministic prompts: for each conversation, the turns before a random assistant turn."""
-    rng = np.random.default_rng(config.evaluate.seed)
-    render = template_renderer(tokenizer, template_kwargs(config))
-    budget = config.data.max_seq_len - config.evaluate.max_new_tokens
-    prompts = []
-    for conv in sorted(conversations, key=lambda c: c["conversation_id"]):
-        messages = conv["messages"]
-        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-        if not turns:
-            continue
-        cut = turns[int(rng.integers(len(turns)))]
-        text = render(messages[:cut], add_generation_prompt=True, tools=conv.get("tools"))
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompts.append(list(ids)[-budget:])
-        if len(prompts) == config.evaluate.num_prompts:
-            break
-    return prompts
-
-
 def untrained_drafter(drafter: DFlashDrafter, target, seed: int) -> DFlashDrafter:
     """The same drafter at initialisation: what training added is the difference."""
     c = drafter.config
@@ -98,14 +71,13 @@ def untrained_drafter(drafter: DFlashDrafter, target, seed: int) -> DFlashDrafte
     ).eval()
 
 
-def decode_all(target, proposers: dict, prompts, config: Config, stop_ids, block_size) -> Decodes:
-    new_tokens, near_tie = config.evaluate.max_new_tokens, config.evaluate.near_tie_margin
+def decode_all(target, proposers: dict, prompts, new_tokens, near_tie, stop_ids, bs) -> Decodes:
     out = Decodes()
     for ids in progress_bar(prompts, desc="evaluate", unit="prompt"):
         reference = greedy_decode(target, ids, new_tokens, stop_ids)
         out.greedy.append(reference)
         for name, proposer in proposers.items():
-            spec = speculative_generate(target, proposer, ids, new_tokens, block_size, stop_ids)
+            spec = speculative_generate(target, proposer, ids, new_tokens, bs, stop_ids)
             verdict, margin = classify(target, ids, reference.tokens, spec.tokens, near_tie)
             out.methods[name].append(spec)
             out.verdicts[name].append(verdict)
@@ -122,8 +94,7 @@ def answer_shape(greedy: list[GenerateOutput], max_new_tokens: int, stop_ids) ->
     return {"answer_cap_fraction": capped / n, "answer_loop_fraction": looping / n}
 
 
-def summarize(decodes: Decodes, config: Config, block_size: int, stop_ids) -> dict:
-    seed = config.evaluate.seed
+def summarize(decodes: Decodes, seed: int, block_size: int, new_tokens: int, stop_ids) -> dict:
     runs = {m: summarize_method(decodes.methods[m], decodes.greedy, seed) for m in METHODS}
     dflash = decodes.methods["dflash"]
     tokens = sum(len(o.tokens) for o in dflash)
@@ -148,7 +119,27 @@ def summarize(decodes: Decodes, config: Config, block_size: int, stop_ids) -> di
             for m in METHODS[1:]
         },
     }
-    return metrics | answer_shape(decodes.greedy, config.evaluate.max_new_tokens, stop_ids)
+    return metrics | answer_shape(decodes.greedy, new_tokens, stop_ids)
+
+
+def score(target, drafter, proposers: dict, prompt_set: PromptSet, config: Config, stop_ids):
+    """Every figure of one prompt set, strata included, and its decodes."""
+    ev, bs = config.evaluate, drafter.config.block_size
+    ids = [p.ids for p in prompt_set.prompts]
+    new_tokens = prompt_set.max_new_tokens
+    with torch.no_grad():
+        decodes = decode_all(target, proposers, ids, new_tokens, ev.near_tie_margin, stop_ids, bs)
+        sums = [
+            sample_loss(target, drafter, p, o.tokens, config.drafter.gamma)
+            for p, o in zip(ids, decodes.greedy, strict=True)
+        ]
+    metrics = summarize(decodes, ev.seed, bs, new_tokens, stop_ids)
+    lengths = [len(p) + len(o.tokens) for p, o in zip(ids, decodes.greedy, strict=True)]
+    metrics |= loss_by_tercile(lengths, sums)
+    metrics["strata"] = strata(prompt_set.prompts, prompt_set.modes, decodes.methods, bs, ev.seed)
+    metrics["modes"] = prompt_set.modes
+    metrics["records"] = prompt_set.records
+    return metrics, decodes
 
 
 def run(config: Config) -> int:
@@ -161,32 +152,26 @@ def run(config: Config) -> int:
     target = load_target(paths.TARGET, device=device)
     drafter = DFlashDrafter.from_pretrained(paths.DRAFTER, target).to(device).eval()
     tokenizer = load_tokenizer(paths.TOKENIZER)
-    prompts = select_prompts(read_conversations(paths.HELDOUT), tokenizer, config)
-    if not prompts:
-        raise ValueError(f"{paths.HELDOUT} has no conversation with an assistant turn to evaluate")
+    sets = prompt_sets(config, tokenizer)
     bs, stop_ids = drafter.config.block_size, stop_token_ids(tokenizer)
     proposers = {
         "dflash": DrafterProposer(drafter),
         "ngram": NgramProposer(bs, NGRAM_MAX),
         "untrained": DrafterProposer(untrained_drafter(drafter, target, config.train.seed)),
     }
-    with torch.no_grad():
-        decodes = decode_all(target, proposers, prompts, config, stop_ids, bs)
-        sums = [
-            sample_loss(target, drafter, p, o.tokens, config.drafter.gamma)
-            for p, o in zip(prompts, decodes.greedy, strict=True)
-        ]
-    metrics = summarize(decodes, config, bs, stop_ids)
-    lengths = [len(p) + len(o.tokens) for p, o in zip(prompts, decodes.greedy, strict=True)]
-    metrics |= loss_by_tercile(lengths, sums)
+    scored = [score(target, drafter, proposers, s, config, stop_ids) for s in sets]
+    metrics, decodes = scored[0]  # the held-out split: today's keys at the top
+    metrics["sets"] = {s.name: m for s, (m, _) in zip(sets[1:], scored[1:], strict=True)}
     write_eval_outputs(metrics, decodes)
-    base = metrics["baselines"]
-    print(
-        f"[evaluate] τ = {metrics['acceptance_length']:.3f} per response "
-        f"({metrics['acceptance_length_pooled']:.3f} pooled) over {metrics['n_prompts']} prompts; "
-        f"n-gram {base['ngram']['acceptance_length']:.3f}, untrained "
-        f"{base['untrained']['acceptance_length']:.3f}; mismatches "
-        f"{metrics['lossless_mismatches']} (near-ties {metrics['near_tie_divergences']}), "
-        f"decode speedup {metrics['speedup']:.2f}x"
-    )
+    for s, (m, _) in zip(sets, scored, strict=True):
+        base = m["baselines"]
+        print(
+            f"[evaluate] {s.name}: τ = {m['acceptance_length']:.3f} per response "
+            f"({m['acceptance_length_pooled']:.3f} pooled, {m['acceptance_length_zlab']:.3f} "
+            f"z-lab's count) over {m['n_prompts']} prompts; n-gram "
+            f"{base['ngram']['acceptance_length']:.3f}, untrained "
+            f"{base['untrained']['acceptance_length']:.3f}; mismatches "
+            f"{m['lossless_mismatches']} (near-ties {m['near_tie_divergences']}), "
+            f"decode speedup {m['speedup']:.2f}x"
+        )
     return 0

@@ -37,6 +37,12 @@ def sample_loss(
     return float(out.loss_sum), float(out.weight_sum)
 
 
+def tercile_groups(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each length's tercile (0, 1, 2 for ``TERCILES``) and the two edges between them."""
+    edges = np.quantile(lengths, [1 / 3, 2 / 3])
+    return np.searchsorted(edges, lengths, side="right"), edges
+
+
 def loss_by_tercile(lengths: list[int], sums: list[tuple[float, float]]) -> dict:
     """Weighted loss overall and per length tercile, with the two tercile boundaries."""
     lengths_a = np.asarray(lengths)
@@ -44,8 +50,7 @@ def loss_by_tercile(lengths: list[int], sums: list[tuple[float, float]]) -> dict
     weight = np.array([w for _, w in sums])
     if weight.sum() == 0:
         return {}
-    edges = np.quantile(lengths_a, [1 / 3, 2 / 3])
-    group = np.searchsorted(edges, lengths_a, side="right")
+    group, edges = tercile_groups(lengths_a)
     by = {}
     for g, name in enumerate(TERCILES):
         w = weight[group == g].sum()

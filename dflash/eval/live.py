@@ -8,11 +8,14 @@ show`` and ``dvc plots diff`` compare them across experiments.
 from __future__ import annotations
 
 from dflash import paths
+from dflash.config import HELDOUT_SET
+from dflash.eval.strata import rows
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.live import open_live
 
 LIVE_SUMMARY = (
     "acceptance_length",
+    "acceptance_length_zlab",
     "acceptance_length_pooled",
     "speedup",
     "lossless_mismatches",
@@ -31,16 +34,33 @@ def live_summary(metrics: dict) -> dict[str, float]:
     for name, loss in metrics.get("heldout_loss_by_length", {}).items():
         if loss is not None:
             flat[f"heldout_loss_{name}"] = loss
+    for name, scored in metrics.get("sets", {}).items():
+        flat[f"{name}_acceptance_length"] = scored["acceptance_length"]
+        flat[f"{name}_ngram_acceptance_length"] = scored["baselines"]["ngram"]["acceptance_length"]
     return flat
+
+
+def strata_csv(metrics: dict) -> str:
+    """Every set's rows, the held-out split first: one bar each in ``dvc plots``."""
+    lines = ["label,set,stratum,acceptance_length,ci_low,ci_high,ngram_acceptance_length,n_prompts"]
+    sets = {HELDOUT_SET: metrics, **metrics.get("sets", {})}
+    for r in (r for name, m in sets.items() for r in rows(name, m)):
+        ci = r["acceptance_length_ci95"] or [None, None]
+        cells = [r["acceptance_length"], *ci, r["ngram_acceptance_length"]]
+        shown = ["" if v is None else f"{v:.6f}" for v in cells]
+        lines.append(",".join([f"{r['set']} {r['stratum']}", r["set"], r["stratum"], *shown,
+                               str(r["n_prompts"])]))  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def write_eval_outputs(metrics: dict, decodes) -> None:
     """The old metrics go first and the new come last: a run killed in between leaves no old
     metrics beside new acceptance rows (they are two files in two directories)."""
-    remove_files(paths.EVAL_METRICS, paths.EVAL_ACCEPTANCE)
+    remove_files(paths.EVAL_METRICS, paths.EVAL_ACCEPTANCE, paths.EVAL_STRATA)
     per = metrics["per_position_acceptance"]
-    rows = "position,acceptance\n" + "".join(f"{k},{a:.6f}\n" for k, a in enumerate(per, 1))
-    write_text_atomic(paths.EVAL_ACCEPTANCE, rows)
+    lines = "position,acceptance\n" + "".join(f"{k},{a:.6f}\n" for k, a in enumerate(per, 1))
+    write_text_atomic(paths.EVAL_ACCEPTANCE, lines)
+    write_text_atomic(paths.EVAL_STRATA, strata_csv(metrics))
     live = open_live(paths.EVAL_LIVE)
     for i in range(len(decodes.greedy)):
         for name, outputs in decodes.methods.items():

@@ -2,7 +2,10 @@
 
 τ follows z-lab's ``benchmark.py``: each response's mean of committed tokens per verification
 step (accepted drafts + the bonus token), then the mean over responses, so a long response
-weighs as much as a short one. The pooled mean over all steps is kept beside it. Speedup is
+weighs as much as a short one. The pooled mean over all steps is kept beside it, and so is
+``acceptance_length_zlab``: the same mean of z-lab's per-step count, every draft the target
+agreed with in the last block even past the stop token or the budget (the project commits and
+counts only up to them), which reads higher on short answers. Speedup is
 decode time per output token (the prefill excluded) of plain greedy over the method's, each
 averaged over responses, as the reference does; the wall-clock ratio is its own key.
 """
@@ -17,9 +20,10 @@ BOOTSTRAP_SAMPLES = 1000
 """Resamples of the prompts for the 95% interval of τ."""
 
 
-def response_tau(outputs: list[GenerateOutput]) -> np.ndarray:
-    """Mean committed tokens per verification step of each response that had a step."""
-    return np.array([np.mean(o.accepted) for o in outputs if o.accepted], dtype=float)
+def response_tau(outputs: list[GenerateOutput], count: str = "accepted") -> np.ndarray:
+    """Mean tokens per verification step of each response that had a step; ``count`` is
+    ``accepted`` (committed) or ``agreed`` (z-lab's count)."""
+    return np.array([np.mean(getattr(o, count)) for o in outputs if o.accepted], dtype=float)
 
 
 def bootstrap_interval(values: np.ndarray, seed: int) -> list[float]:
@@ -59,9 +63,10 @@ def summarize_method(
 ) -> dict:
     """τ (per response, pooled, 95% interval) and speedups of one method against greedy."""
     steps = [a for o in outputs for a in o.accepted]
-    taus = response_tau(outputs)
+    taus, zlab = response_tau(outputs), response_tau(outputs, "agreed")
     return {
         "acceptance_length": float(taus.mean()) if len(taus) else 0.0,
+        "acceptance_length_zlab": float(zlab.mean()) if len(zlab) else 0.0,
         "acceptance_length_pooled": float(np.mean(steps)) if steps else 0.0,
         "acceptance_length_ci95": bootstrap_interval(taus, seed),
         "speedup": time_per_token(greedy) / max(time_per_token(outputs), 1e-12),

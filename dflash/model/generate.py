@@ -33,6 +33,9 @@ class GenerateOutput:
     full: list[bool] = field(default_factory=list)
     """Per step: the whole block could be used (not cut by ``max_new_tokens`` or a stop token),
     so its rejected slots are real rejections."""
+    agreed: list[int] = field(default_factory=list)
+    """Per step: 1 + the leading drafts the target agreed with over the whole block, even past a
+    stop token or the budget; z-lab's ``dflash_generate`` counts τ this way."""
     prefill_s: float = field(default=0.0, compare=False)
     """Seconds of the prompt's forward pass, which also yields the first token."""
     decode_s: float = field(default=0.0, compare=False)
@@ -149,6 +152,7 @@ def greedy_decode(
         else:
             out.accepted.append(1)
             out.full.append(True)
+            out.agreed.append(1)
         ids = torch.tensor([out.tokens[-1:]], device=ids.device)
     out.decode_s = _clock(ids.device) - began - out.prefill_s
     return out
@@ -199,7 +203,9 @@ def speculative_generate(
 
     while len(out.tokens) < max_new_tokens and out.tokens[-1] not in stop_token_ids:
         size = min(block_size, max_new_tokens - len(out.tokens))  # never commit past the budget
-        drafts = proposer.propose(history, start)[: size - 1] if size > 1 else []
+        # The whole block is verified even where the budget cuts it, so ``agreed`` is counted
+        # over the same block z-lab's decoder verifies; only ``size`` tokens can be committed.
+        drafts = proposer.propose(history, start)[: block_size - 1]
         block = torch.tensor([history[-1:] + drafts], device=device)
         verify = target(
             input_ids=block,
@@ -209,13 +215,14 @@ def speculative_generate(
         )
         greedy = verify.logits[0].argmax(dim=-1)
         agree = int((block[0, 1:] == greedy[:-1]).long().cumprod(dim=0).sum())
-        new = greedy[: agree + 1].tolist()
-        stop = next((i for i, token in enumerate(new) if token in stop_token_ids), agree)
+        new = greedy[: min(agree + 1, size)].tolist()
+        stop = next((i for i, token in enumerate(new) if token in stop_token_ids), len(new) - 1)
         new = new[: stop + 1]  # a stop among the accepted drafts cuts the block short
 
         out.tokens.extend(new)
         history.extend(new)
         out.accepted.append(len(new))
+        out.agreed.append(agree + 1)
         out.full.append(size == block_size and len(drafts) == size - 1 and stop == agree)
         # block[:len(new)] are now known-good inputs the target has seen
         proposer.commit(verify.hidden_states if hidden else None, start, len(new))

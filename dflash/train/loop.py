@@ -107,7 +107,12 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.simulated = SimulatedTau.build(
-            self.target, tokenizer, self.drafter, config.data.max_seq_len, self.autocast
+            self.target,
+            tokenizer,
+            self.drafter,
+            config.data.max_seq_len,
+            self.autocast,
+            dict(config.data.chat_template_kwargs),
         )
         self.fingerprint = checkpoint.run_fingerprint(config)
         self.state = TrainState()

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash import paths
+from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import stop_token_ids
 from dflash.model.attention import build_attention_mask
@@ -34,19 +35,17 @@ HEAD_CHUNK = 4096
 """Block slots sent through the LM head at once: bounds the logits at a large vocabulary."""
 
 
-def heldout_prompts(path: Path, tokenizer, budget: int) -> list[list[int]]:
-    """The first ``PROMPTS`` held-out conversations (by id) up to their first assistant turn."""
+def heldout_prompts(path: Path, tokenizer, budget: int, options: dict) -> list[list[int]]:
+    """The first ``PROMPTS`` held-out conversations (by id) up to their first assistant turn,
+    rendered as training data is: with their tools and ``data.chat_template_kwargs``."""
+    render = template_renderer(tokenizer, options)
     prompts = []
     for conv in sorted(read_conversations(path), key=lambda c: c["conversation_id"]):
         roles = [m["role"] for m in conv["messages"]]
         if "assistant" not in roles or len(prompts) == PROMPTS:
             continue
-        ids = tokenizer.apply_chat_template(
-            conv["messages"][: roles.index("assistant")],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
+        text = render(conv["messages"][: roles.index("assistant")], True, conv.get("tools"))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         prompts.append(list(ids)[-budget:])
     return prompts
 
@@ -82,9 +81,11 @@ class SimulatedTau:
     """Time spent measuring, for the cost figure."""
 
     @classmethod
-    def build(cls, target: nn.Module, tokenizer, drafter, max_seq_len: int, autocast):
+    def build(
+        cls, target: nn.Module, tokenizer, drafter, max_seq_len: int, autocast, options: dict
+    ):
         """The batch from ``paths.HELDOUT``; None when it holds no prompt to continue."""
-        prompts = heldout_prompts(paths.HELDOUT, tokenizer, max_seq_len - NEW_TOKENS)
+        prompts = heldout_prompts(paths.HELDOUT, tokenizer, max_seq_len - NEW_TOKENS, options)
         if not prompts:
             return None
         device, c = target.get_input_embeddings().weight.device, drafter.config

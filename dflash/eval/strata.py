@@ -1,0 +1,90 @@
+"""τ per stratum of a prompt set: where a drafter that scores well overall still fails.
+
+"High accuracy in training, low acceptance in serving" hides in averages: thinking and plain
+answers, tool-calling turns and long prompts accept very differently. Each stratum gets τ per
+response with its own bootstrap 95% interval, z-lab's count beside it, the n-gram baseline
+on the same prompts, the prompt count and the acceptance per draft position, so a gap between
+two strata can be told from noise. A stratum with no prompt is listed with ``n_prompts: 0``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dflash.eval.length_loss import TERCILES, tercile_groups
+from dflash.eval.metrics import acceptance_by_position, bootstrap_interval, response_tau
+from dflash.eval.prompts import Prompt
+from dflash.model.generate import GenerateOutput
+
+
+def stratum(
+    dflash: list[GenerateOutput], ngram: list[GenerateOutput], block_size: int, seed: int
+) -> dict:
+    """The figures of one group of prompts (``None`` where the group is empty)."""
+    taus, zlab, base = (
+        response_tau(dflash),
+        response_tau(dflash, "agreed"),
+        response_tau(ngram),
+    )
+
+    def mean(values: np.ndarray) -> float | None:
+        return float(values.mean()) if len(values) else None
+
+    return {
+        "n_prompts": len(dflash),
+        "acceptance_length": mean(taus),
+        "acceptance_length_ci95": bootstrap_interval(taus, seed) if len(taus) else None,
+        "acceptance_length_zlab": mean(zlab),
+        "ngram_acceptance_length": mean(base),
+        "per_position_acceptance": acceptance_by_position(dflash, block_size) if dflash else None,
+    }
+
+
+def groups(prompts: list[Prompt], modes: list[str]) -> dict[str, dict[str, list[int]]]:
+    """Prompt indices per stratum: mode (when scored in several), tools, length tercile."""
+    out: dict[str, dict[str, list[int]]] = {}
+    if len(modes) > 1:
+        out["mode"] = {m: [i for i, p in enumerate(prompts) if p.mode == m] for m in modes}
+    out["tools"] = {
+        "with": [i for i, p in enumerate(prompts) if p.tools],
+        "without": [i for i, p in enumerate(prompts) if not p.tools],
+    }
+    tercile, _ = tercile_groups(np.array([len(p.ids) for p in prompts]))
+    out["length"] = {n: np.flatnonzero(tercile == g).tolist() for g, n in enumerate(TERCILES)}
+    return out
+
+
+def strata(
+    prompts: list[Prompt],
+    modes: list[str],
+    methods: dict[str, list[GenerateOutput]],
+    block_size: int,
+    seed: int,
+) -> dict[str, dict[str, dict]]:
+    """``{kind: {group: figures}}``; a length group also names its prompt lengths."""
+    out: dict[str, dict[str, dict]] = {}
+    for kind, by in groups(prompts, modes).items():
+        out[kind] = {}
+        for name, index in by.items():
+            pick = [methods["dflash"][i] for i in index], [methods["ngram"][i] for i in index]
+            out[kind][name] = stratum(*pick, block_size, seed)
+            if kind == "length" and index:
+                lengths = [len(prompts[i].ids) for i in index]
+                out[kind][name]["prompt_tokens"] = [min(lengths), max(lengths)]
+    return out
+
+
+def rows(set_name: str, metrics: dict) -> list[dict]:
+    """Flat rows of one set (``all`` first, then every stratum) for the plot and the report."""
+    base = metrics.get("baselines", {}).get("ngram", {})
+    every = {
+        "n_prompts": metrics.get("n_prompts"),
+        "acceptance_length": metrics.get("acceptance_length"),
+        "acceptance_length_ci95": metrics.get("acceptance_length_ci95"),
+        "acceptance_length_zlab": metrics.get("acceptance_length_zlab"),
+        "ngram_acceptance_length": base.get("acceptance_length"),
+    }
+    out = [{"set": set_name, "stratum": "all", **every}]
+    for kind, by in metrics.get("strata", {}).items():
+        out += [{"set": set_name, "stratum": f"{kind}:{n}", **f} for n, f in by.items()]
+    return out
