@@ -182,7 +182,8 @@ class PromptSetConfig(Section):
     """One prompt set ``evaluate`` scores; a key left null takes ``evaluate``'s own."""
 
     path: str | None = None
-    """A ``.jsonl`` / ``.parquet`` file of conversations under data/raw/; null for ``heldout``."""
+    """A ``.jsonl`` / ``.parquet`` file of conversations under data/prompts/; null for
+    ``heldout``."""
     num_prompts: Int | None = Field(None, ge=1)
     max_new_tokens: Int | None = Field(None, ge=1)
     modes: dict[Annotated[str, Field(pattern=SET_NAME)], TemplateOptions] | None = None

@@ -104,22 +104,23 @@ def at_least(low: int):
     return parse
 
 
-OUTSIDE_RAW = (
-    f"a file must lie under {paths.RAW}/ (relative path), where dvc.yaml tracks it: copy it "
-    "there and `dvc add` it, or `dvc import-url` it there"
-)
-"""The one wording of the rule, for the path as written (here) and links resolved (ingest)."""
+def outside(root: Path) -> str:
+    """The one wording of the rule, for the path as written (here) and links resolved."""
+    return (
+        f"a file must lie under {root}/ (relative path), where dvc.yaml tracks it: copy it "
+        "there and `dvc add` it, or `dvc import-url` it there"
+    )
 
 
-def check_source_location(source: str, key: str = "data.source") -> None:
-    """A file source must lie under ``paths.RAW``, which ``dvc.yaml`` tracks: elsewhere it
-    could change unnoticed. Checked where params load from a file, not in the schema, so code
-    and tests may point a ``DataConfig`` at any file."""
+def check_location(source: str, key: str = "data.source", root: Path = paths.RAW) -> None:
+    """A file source must lie under ``root``, which ``dvc.yaml`` tracks: elsewhere it could
+    change unnoticed. Checked where params load from a file, not in the schema, so code and
+    tests may point a ``DataConfig`` at any file."""
     if source == "chitchat":
         return
-    inside = Path(os.path.normpath(source)).parts[: len(paths.RAW.parts)]
-    if Path(source).is_absolute() or Path(*inside) != paths.RAW:
-        raise ConfigError(f"{key} = {source!r}: {OUTSIDE_RAW}")
+    inside = Path(os.path.normpath(source)).parts[: len(root.parts)]
+    if Path(source).is_absolute() or Path(*inside) != root:
+        raise ConfigError(f"{key} = {source!r}: {outside(root)}")
 
 
 def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = ()) -> Config:
@@ -130,10 +131,10 @@ def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = 
     for item in overrides:
         apply_override(raw, item)
     config = from_dict(raw)
-    check_source_location(config.data.source)
+    check_location(config.data.source)
     for name, spec in config.evaluate.sets.items():
         if spec.path is not None:
-            check_source_location(spec.path, f"evaluate.sets.{name}.path")
+            check_location(spec.path, f"evaluate.sets.{name}.path", paths.PROMPTS)
     return config
 
 

@@ -7,6 +7,9 @@ from pathlib import Path
 
 RAW = Path("data/raw")
 """User-supplied datasets (``data.source``), tracked by ``dvc add``; a dep of ``ingest``."""
+PROMPTS = Path("data/prompts")
+"""User prompt sets ``evaluate`` scores (``evaluate.sets``); a dep of ``evaluate`` only, so
+adding a set reruns nothing else."""
 DVC_CACHE = Path(".dvc/cache")
 """Where ``dvc add`` with ``cache.type: symlink`` points the files of ``data/raw/``."""
 

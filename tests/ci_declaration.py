@@ -137,6 +137,8 @@ def main() -> None:
             change = appended(repo, module, "\n# ci\n")
             expect(repo, f"comment in {module}", change, readers_of(module))
         expect(repo, f"a line of {CORPUS}", appended(repo, CORPUS, "\n"), {"ingest"})
+        prompts = appended(repo, "data/prompts/README.md", "\n")
+        expect(repo, "a file under data/prompts", prompts, {"evaluate"})
         expect(repo, "knob train.num_workers", param_edit("train.num_workers", 2), set())
         for key, value in (("train.lr", 1e-3), ("batching.seed", 3), ("data.max_seq_len", 80)):
             expect(repo, f"param {key}", param_edit(key, value), params_readers(key))

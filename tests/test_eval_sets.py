@@ -98,6 +98,11 @@ def test_strata_split_by_mode_tools_and_length_with_their_own_intervals():
     }
 
 
+def write_prompt_set(workspace, name: str) -> None:
+    (workspace / "data/prompts").mkdir(parents=True, exist_ok=True)
+    (workspace / "data/prompts" / name).write_text("\n".join(prompt_set_lines()) + "\n")
+
+
 def prompt_set_lines() -> list[str]:
     records = [
         {"messages": [{"role": "user", "content": f"tell me about the {w} {w}"}]} for w in WORDS[:5]
@@ -120,8 +125,8 @@ def test_a_prompt_file_counts_what_it_cannot_use_and_scores_questions_at_their_e
     tmp_path, monkeypatch, tiny_workspace
 ):
     monkeypatch.chdir(tiny_workspace)
-    (tiny_workspace / "data/raw/set.jsonl").write_text("\n".join(prompt_set_lines()) + "\n")
-    conversations, records = read_prompt_file("data/raw/set.jsonl", "evaluate.sets.s.path")
+    write_prompt_set(tiny_workspace, "set.jsonl")
+    conversations, records = read_prompt_file("data/prompts/set.jsonl", "evaluate.sets.s.path")
     assert len(conversations) == 6
     assert records == {
         "records_read": 9,
@@ -143,9 +148,9 @@ def test_a_prompt_file_counts_what_it_cannot_use_and_scores_questions_at_their_e
 
 
 def test_evaluate_scores_every_set_with_strata(tiny_workspace):
-    (tiny_workspace / "data/raw/questions.jsonl").write_text("\n".join(prompt_set_lines()) + "\n")
+    write_prompt_set(tiny_workspace, "questions.jsonl")
     sets = (
-        "evaluate.sets={questions: {path: data/raw/questions.jsonl, max_new_tokens: 8, "
+        "evaluate.sets={questions: {path: data/prompts/questions.jsonl, max_new_tokens: 8, "
         "num_prompts: 6, modes: {plain: {}, other: {unused_option: true}}}, "
         "heldout: {num_prompts: 3}}"
     )

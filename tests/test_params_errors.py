@@ -35,19 +35,22 @@ def assert_params_error(capsys, key: str) -> None:
         ("evaluate.chat_template_kwargs={messages: 1}", "evaluate.chat_template_kwargs"),
         ("data.turns=per_message", "data.turns"),
         ("evaluate.sets={g: {path: /tmp/g.jsonl}}", "evaluate.sets.g.path = '/tmp/g.jsonl'"),
-        ("evaluate.sets={g: {path: data/raw/g.txt}}", "evaluate.sets.g.path"),
+        ("evaluate.sets={g: {path: data/prompts/g.txt}}", "evaluate.sets.g.path"),
         ("evaluate.sets={g: {}}", "evaluate.sets.g.path = None: a prompt set needs a path"),
-        ("evaluate.sets={heldout: {path: data/raw/h.jsonl}}", "evaluate.sets.heldout.path"),
-        ("evaluate.sets={g: {path: data/raw/g.jsonl, nprompts: 3}}", "evaluate.sets.g.nprompts"),
+        ("evaluate.sets={heldout: {path: data/prompts/h.jsonl}}", "evaluate.sets.heldout.path"),
         (
-            "evaluate.sets={g: {path: data/raw/g.jsonl, max_new_tokens: 2000}}",
+            "evaluate.sets={g: {path: data/prompts/g.jsonl, nprompts: 3}}",
+            "evaluate.sets.g.nprompts",
+        ),
+        (
+            "evaluate.sets={g: {path: data/prompts/g.jsonl, max_new_tokens: 2000}}",
             "evaluate.sets.g.max_new_tokens = 2000",
         ),
         (
-            "evaluate.sets={g: {path: data/raw/g.jsonl, modes: {think: {tools: 1}}}}",
+            "evaluate.sets={g: {path: data/prompts/g.jsonl, modes: {think: {tools: 1}}}}",
             "evaluate.sets.g.modes.think.tools",
         ),
-        ("evaluate.sets={'a b': {path: data/raw/g.jsonl}}", "evaluate.sets.a b = 'a b'"),
+        ("evaluate.sets={'a b': {path: data/prompts/g.jsonl}}", "evaluate.sets.a b = 'a b'"),
     ],
 )
 def test_bad_params_fail_at_load(tmp_path, monkeypatch, capsys, setting, key):

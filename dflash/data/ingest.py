@@ -30,7 +30,7 @@ from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, 
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
 from dflash.errors import ConfigError
 from dflash.fileio import atomic_dir, write_json_atomic
-from dflash.params import OUTSIDE_RAW
+from dflash.params import outside
 
 FIRST_LINES = 5
 """How many line numbers the report keeps per reason: enough to go and look."""
@@ -242,26 +242,26 @@ def open_source(source: str) -> tuple[Iterable[tuple[int, object]], dict]:
     return open_records(source, "data.source"), {}
 
 
-def open_records(path: str, key: str) -> Iterable[tuple[int, object]]:
-    """Numbered records of a ``.jsonl`` / ``.parquet`` file under ``data/raw/`` named by ``key``."""
+def open_records(path: str, key: str, root: Path = paths.RAW) -> Iterable[tuple[int, object]]:
+    """Numbered records of a ``.jsonl`` / ``.parquet`` file under ``root`` named by ``key``."""
     if not Path(path).is_file():
         raise ConfigError(f"{key} = {path!r}: no such file")
-    require_inside_raw(path, key)
+    require_inside(path, key, root)
     if not os.access(path, os.R_OK):
         raise ConfigError(f"{key} = {path!r}: not readable (permission denied)")
     return read_jsonl(path) if path.endswith(".jsonl") else read_parquet(path, key)
 
 
-def require_inside_raw(path: str, key: str) -> None:
-    """The file, links resolved, must lie under ``data/raw/`` (or DVC's cache it links to).
+def require_inside(path: str, key: str, root: Path) -> None:
+    """The file, links resolved, must lie under ``root`` (or DVC's cache it links to).
 
-    ``dvc.yaml`` tracks ``data/raw`` as a dep: a link out of it would let the data change with
-    no rerun. Same rule and message as the params check on the path as written.
+    ``dvc.yaml`` tracks ``root`` as a dep: a link out of it would let the data change with no
+    rerun. Same rule and message as the params check on the path as written.
     """
     real = Path(path).resolve()
-    if any(real.is_relative_to(root.resolve()) for root in (paths.RAW, paths.DVC_CACHE)):
+    if any(real.is_relative_to(r.resolve()) for r in (root, paths.DVC_CACHE)):
         return
-    raise ConfigError(f"{key} = {path!r}: {OUTSIDE_RAW} (it is a link to {real})")
+    raise ConfigError(f"{key} = {path!r}: {outside(root)} (it is a link to {real})")
 
 
 def run(config: Config) -> int:

@@ -1,6 +1,6 @@
 """The prompts ``evaluate`` scores: the held-out split and the user's prompt sets.
 
-A set is a file of conversations under ``data/raw/`` (OpenAI ``messages`` or ShareGPT, JSONL
+A set is a file of conversations under ``data/prompts/`` (OpenAI ``messages`` or ShareGPT, JSONL
 or Parquet), read by ingest's own readers: a record that cannot become a conversation is
 counted by reason, never dropped unseen. Each conversation gives one prompt, cut before one of
 its assistant turns chosen with a seeded generator, as the held-out split always was; a
@@ -107,7 +107,7 @@ def read_prompt_file(path: str, key: str) -> tuple[list[dict], dict]:
     """The conversations of a set's file, and how it was read (the counts ingest reports)."""
     tally = Tally(need_answer=False)
     conversations = []
-    for number, record in open_records(path, key):
+    for number, record in open_records(path, key, paths.PROMPTS):
         accepted = tally.accept(number, record)
         if accepted is not None:
             conversations.append(accepted[0])
