@@ -147,7 +147,9 @@ def test_export_dtype_auto_is_the_dtype_the_target_config_serves_in(tmp_path):
 def test_model_card_says_how_to_serve_and_what_trained_it(target):
     config = drafter_for(target).config.to_dict(target.config, torch.bfloat16)
     params = {"drafter": {"block_size": 4}, "train": {"lr": 0.003}}
-    card = model_card(config, "Qwen/Qwen3-8B", params, {"final_loss": 0.77, "steps": 462})
+    training = {"final_loss": 0.77, "steps": 462, "train_seconds": 61.5, "tokens_per_s": 9e3}
+    card = model_card(config, "Qwen/Qwen3-8B", params, training)
+    assert "train_seconds" not in card and "tokens_per_s" not in card  # same run, same card
     spec = '{"method": "dflash", "model": "models/drafter", "num_speculative_tokens": 3}'
     assert f"vllm serve Qwen/Qwen3-8B \\\n  --speculative-config '{spec}'" in card
     for flag in ("--speculative-algorithm DFLASH", "--speculative-draft-model-path models/drafter",

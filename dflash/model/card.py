@@ -14,6 +14,19 @@ import yaml
 
 from dflash import paths
 
+TRAINING_KEYS = (
+    "final_loss",
+    "final_accuracy",
+    "final_simulated_tau",
+    "steps",
+    "epochs",
+    "world_size",
+    "padding_efficiency",
+    "skipped_steps",
+    "loss_spikes",
+)
+"""Training figures the card shows: the run's outcome, never its timings, so the same run
+writes the same card (and ``models/drafter`` keeps one hash) on the same machine."""
 SCORECARD_KEYS = {
     "acceptance_length": "τ (acceptance length, per response)",
     "acceptance_length_ci95": "τ 95% interval",
@@ -81,7 +94,7 @@ output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=
 
 
 def _figures(training: dict[str, Any], scorecard: dict[str, Any] | None) -> str:
-    rows = [(key, _value(v)) for key, v in sorted(training.items()) if isinstance(v, int | float)]
+    rows = [(key, _value(training[key])) for key in TRAINING_KEYS if key in training]
     if scorecard:
         flat = _flat(scorecard)
         rows += [(label, _value(flat[key])) for key, label in SCORECARD_KEYS.items() if key in flat]
