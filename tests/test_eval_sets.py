@@ -13,6 +13,7 @@ from dflash.eval.metrics import summarize_method
 from dflash.eval.prompts import Prompt, read_prompt_file, render_prompts
 from dflash.eval.strata import groups, strata
 from dflash.model.generate import GenerateOutput, greedy_generate, speculative_generate
+from dflash.publish import main as publish_main
 from dflash.report import render_report
 
 BS = 4
@@ -163,7 +164,7 @@ def test_evaluate_scores_every_set_with_strata(tiny_workspace):
     assert metrics["n_prompts"] == 3 and metrics["modes"] == ["default"]
     assert set(metrics["strata"]) == {"tools", "length"}
     questions = metrics["sets"]["questions"]
-    assert set(questions) == set(metrics) - {"sets"}
+    assert set(questions) == set(metrics) - {"sets", "drafter_sha256"}
     assert questions["n_prompts"] == 12 and questions["lossless_mismatches"] == 0
     assert questions["records"]["skipped"] == {"invalid_json": 1, "wrong_shape": 1}
     assert questions["strata"]["mode"]["plain"]["n_prompts"] == 6
@@ -176,3 +177,20 @@ def test_evaluate_scores_every_set_with_strata(tiny_workspace):
     assert "scorecard" in report and "questions   mode:plain" in report
     live = json.loads((tiny_workspace / "dvclive/evaluate/metrics.json").read_text())
     assert live["questions_acceptance_length"] == questions["acceptance_length"]
+    publish_with_its_scorecard(tiny_workspace)
+
+
+def publish_with_its_scorecard(workspace):
+    """The export copied with the scorecard of the evaluation that scored these weights."""
+    out = workspace / "published"
+    assert publish_main([str(out), "--root", str(workspace)]) == 0
+    card = (out / "README.md").read_text()
+    assert "## Scorecard" in card and "| questions | mode:plain |" in card
+    assert "dflash.publish" not in card  # the note pointing here is replaced by the table
+    assert (out / "model.safetensors").read_bytes() == (
+        workspace / "models/drafter/model.safetensors"
+    ).read_bytes()
+    metrics = workspace / "metrics/eval.json"
+    metrics.write_text(json.dumps({**json.loads(metrics.read_text()), "drafter_sha256": "0"}))
+    assert publish_main([str(workspace / "other"), "--root", str(workspace)]) == 2
+    assert not (workspace / "other").exists()

@@ -30,6 +30,7 @@ from dflash.eval.metrics import acceptance_by_position, summarize_method, wall_s
 from dflash.eval.ngram import NgramProposer
 from dflash.eval.prompts import PromptSet, prompt_sets
 from dflash.eval.strata import strata
+from dflash.fingerprint import path_digest
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import (
     DrafterProposer,
@@ -162,6 +163,7 @@ def run(config: Config) -> int:
     scored = [score(target, drafter, proposers, s, config, stop_ids) for s in sets]
     metrics, decodes = scored[0]  # the held-out split: today's keys at the top
     metrics["sets"] = {s.name: m for s, (m, _) in zip(sets[1:], scored[1:], strict=True)}
+    metrics["drafter_sha256"] = path_digest(paths.DRAFTER)  # what was scored, for publishing
     write_eval_outputs(metrics, decodes)
     for s, (m, _) in zip(sets, scored, strict=True):
         base = m["baselines"]

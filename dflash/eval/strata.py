@@ -16,6 +16,10 @@ from dflash.eval.metrics import acceptance_by_position, bootstrap_interval, resp
 from dflash.eval.prompts import Prompt
 from dflash.model.generate import GenerateOutput
 
+KINDS = ("mode", "tools", "length")
+GROUPS = ("with", "without", *TERCILES)
+"""The order rows are shown in (``metrics/eval.json`` keeps its keys sorted); modes go as given."""
+
 
 def stratum(
     dflash: list[GenerateOutput], ngram: list[GenerateOutput], block_size: int, seed: int
@@ -85,6 +89,9 @@ def rows(set_name: str, metrics: dict) -> list[dict]:
         "ngram_acceptance_length": base.get("acceptance_length"),
     }
     out = [{"set": set_name, "stratum": "all", **every}]
-    for kind, by in metrics.get("strata", {}).items():
-        out += [{"set": set_name, "stratum": f"{kind}:{n}", **f} for n, f in by.items()]
+    table = metrics.get("strata", {})
+    for kind in sorted(table, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
+        by, order = table[kind], [*metrics.get("modes", []), *GROUPS]
+        for n in sorted(by, key=lambda g: order.index(g) if g in order else len(order)):
+            out.append({"set": set_name, "stratum": f"{kind}:{n}", **by[n]})
     return out

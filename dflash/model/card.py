@@ -93,14 +93,45 @@ output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=
 """
 
 
+SCORECARD_NOTE = (
+    "\nThe scorecard of real speculative decoding: `dflash evaluate`, then "
+    "`python -m dflash.publish DIR` copies this export with it.\n"
+)
+
+
 def _figures(training: dict[str, Any], scorecard: dict[str, Any] | None) -> str:
     rows = [(key, _value(training[key])) for key in TRAINING_KEYS if key in training]
     if scorecard:
         flat = _flat(scorecard)
         rows += [(label, _value(flat[key])) for key, label in SCORECARD_KEYS.items() if key in flat]
     lines = ["| figure | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)]
-    note = "" if scorecard else "\nThe scorecard of real speculative decoding: `dflash evaluate`.\n"
-    return "## Figures\n\n" + "\n".join(lines) + "\n" + note
+    return "## Figures\n\n" + "\n".join(lines) + "\n" + ("" if scorecard else SCORECARD_NOTE)
+
+
+def scorecard_section(table: list[dict]) -> str:
+    """τ per prompt set and stratum (``dflash.eval.strata.rows``) as a Markdown table."""
+
+    def cell(value: Any) -> str:
+        return "–" if value is None else _value(value)
+
+    lines = [
+        "## Scorecard",
+        "",
+        "τ per response (95% bootstrap interval), z-lab's count of τ, and n-gram prompt lookup's "
+        "τ on the same prompts, by prompt set and stratum (`metrics/eval.json` of the run):",
+        "",
+        "| set | stratum | τ | 95% CI | τ (z-lab) | n-gram τ | prompts |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in table:
+        ci = r["acceptance_length_ci95"]
+        shown = f"{ci[0]:.2f}–{ci[1]:.2f}" if ci else "–"
+        lines.append(
+            f"| {r['set']} | {r['stratum']} | {cell(r['acceptance_length'])} | {shown} | "
+            f"{cell(r['acceptance_length_zlab'])} | {cell(r['ngram_acceptance_length'])} | "
+            f"{r['n_prompts']} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def model_card(

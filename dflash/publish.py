@@ -1,0 +1,72 @@
+"""``python -m dflash.publish DIR``: the drafter export with its scorecard, ready to share.
+
+``models/drafter`` is the train stage's output, written before anything scored it, so its
+model card cannot hold τ. This copies the export to ``DIR`` (whole or not at all) and adds
+to its card the scorecard of ``metrics/eval.json``: every prompt set and stratum. It first
+checks that evaluation scored these very weights, and refuses otherwise (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from dflash import paths
+from dflash.config import HELDOUT_SET
+from dflash.errors import UserError
+from dflash.eval.freshness import stale_drafter
+from dflash.eval.strata import rows
+from dflash.fileio import atomic_dir
+from dflash.fingerprint import path_digest
+from dflash.model.card import SCORECARD_NOTE, scorecard_section
+
+
+def scored_metrics(root: Path) -> dict:
+    """``metrics/eval.json`` under ``root``, when it scored the drafter there; else why not."""
+    rerun = "rerun the evaluate stage (`dvc repro evaluate` or `dflash evaluate`)"
+    stale = stale_drafter(root)
+    if stale:
+        raise UserError(stale)
+    try:
+        metrics = json.loads((root / paths.EVAL_METRICS).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{paths.EVAL_METRICS} is missing: {rerun}") from None
+    except ValueError:
+        raise UserError(f"{paths.EVAL_METRICS} is unreadable: {rerun}") from None
+    if metrics.get("drafter_sha256") != path_digest(root / paths.DRAFTER):
+        raise UserError(f"{paths.EVAL_METRICS} scored other weights than {paths.DRAFTER}: {rerun}")
+    return metrics
+
+
+def publish(root: Path, out: Path) -> None:
+    source = root / paths.DRAFTER
+    if out.resolve() == source.resolve() or out.resolve().is_relative_to(source.resolve()):
+        raise UserError(f"{out}: publish to a directory outside {paths.DRAFTER}")
+    metrics = scored_metrics(root)
+    sets = {HELDOUT_SET: metrics, **metrics.get("sets", {})}
+    table = [r for name, scored in sets.items() for r in rows(name, scored)]
+    card = (source / paths.DRAFTER_CARD).read_text().replace(SCORECARD_NOTE, "")
+    with atomic_dir(out) as tmp:
+        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        (tmp / paths.DRAFTER_CARD).write_text(f"{card}\n{scorecard_section(table)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash.publish", description=__doc__)
+    parser.add_argument("out", type=Path, help="directory to write (replaced whole)")
+    parser.add_argument("--root", type=Path, default=Path("."), help="the pipeline's directory")
+    args = parser.parse_args(argv)
+    try:
+        publish(args.root, args.out)
+    except (UserError, FileNotFoundError) as err:
+        print(f"dflash publish: {err}", file=sys.stderr)
+        return 2
+    print(f"dflash publish: {args.root / paths.DRAFTER} and its scorecard -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
