@@ -21,7 +21,8 @@ import torch
 import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash.model.features import target_features, target_layer_ids
+from dflash.model.features import target_features
+from dflash.model.layer_ids import target_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 

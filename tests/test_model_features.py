@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_qwen3
 
+from dflash.model import document_attention
 from dflash.model.document_attention import NAME, DocumentLayout, tile_keys
 from dflash.model.features import (
     decoder_layers,
@@ -56,8 +57,10 @@ def packed_rows():
     return ids, pos, docs
 
 
+@pytest.mark.parametrize("tile", [64, 4], ids=["tile64", "tile4-classes"])
 @pytest.mark.parametrize("rows", [padded_rows, packed_rows])
-def test_same_features_as_the_whole_stack(target, rows):
+def test_same_features_as_the_whole_stack(target, rows, tile, monkeypatch):
+    monkeypatch.setattr(document_attention, "QUERY_TILE", tile)  # 4: tiles of several widths
     ids, pos, docs = rows()
     got = target_features(target, ids, pos, docs, LAYERS)
     want = reference_features(target, ids, pos, docs, LAYERS)
@@ -101,22 +104,27 @@ def dense_rule(docs: torch.Tensor, window: int | None) -> torch.Tensor:
 def test_tiles_gather_exactly_the_keys_each_query_may_see(window, tile):
     docs = torch.cat([packed_rows()[2], torch.tensor([[0, 0, -1, 1, -1] + [2] * 19])])
     R, T = docs.shape
-    tiles = tile_keys(DocumentLayout.of(docs).starts, window, tile)
-    n = tiles.keys.shape[0] // R
+    classes = tile_keys(DocumentLayout.of(docs).starts, window, tile)
+    n = -(-T // tile)
+    placed = torch.cat([tiles.index for tiles in classes])
+    assert torch.equal(placed.sort().values, torch.arange(R * n))  # every tile in one class
     seen = torch.zeros(R, n * tile, R * T, dtype=torch.long)
-    for t in range(R * n):
-        r, first = divmod(t, n)
-        rows = slice(first * tile, (first + 1) * tile)
-        seen[r, rows].index_put_(
-            (torch.arange(tile)[:, None], tiles.keys[t].expand(tile, -1)),
-            tiles.mask[t, 0].long(),
-            accumulate=True,
-        )
+    for tiles in classes:
+        for j, t in enumerate(tiles.index.tolist()):
+            r, first = divmod(t, n)
+            rows = slice(first * tile, (first + 1) * tile)
+            seen[r, rows].index_put_(
+                (torch.arange(tile)[:, None], tiles.keys[j].expand(tile, -1)),
+                tiles.mask[j, 0].long(),
+                accumulate=True,
+            )
+        assert tiles.mask.any(dim=-1).all()  # no query sees nothing
     want = torch.zeros(R, T, R * T, dtype=torch.long)
     for r in range(R):
         want[r, :, r * T : (r + 1) * T] = dense_rule(docs[r : r + 1], window)[0].long()
     assert torch.equal(seen[:, :T], want)  # every visible key once, and nothing else
-    assert tiles.mask.any(dim=-1).all()  # no query sees nothing
+    *narrow, widest = sorted(tiles.keys.shape[1] for tiles in classes)
+    assert all(w in {tile * 2**k for k in range(8)} for w in narrow) and widest <= T
 
 
 def test_packed_rows_put_the_attention_kernel_back(target):
@@ -133,7 +141,8 @@ def test_packed_rows_put_the_attention_kernel_back(target):
 
 
 def test_a_packed_row_costs_one_attention_call_per_layer(target, monkeypatch):
-    """However many documents a row holds: no loop over documents, one kernel call per layer."""
+    """However many documents a row holds: no loop over documents, one kernel call per layer
+    and width class (one class here: every tile needs the same few keys)."""
     calls = []
     sdpa = F.scaled_dot_product_attention
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from dflash.model import document_attention
 from dflash.model.features import select_features, target_features
 
 LAYERS = [1, 2, 3]
@@ -79,7 +80,9 @@ def alone(target, ids: torch.Tensor, lengths: list[list[int]]) -> torch.Tensor:
 @pytest.mark.parametrize("build", [qwen3_alternating, mistral], ids=["qwen3", "mistral"])
 @pytest.mark.parametrize("window", [4, 10, 40], ids=["smaller", "equal", "larger"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-document"])
-def test_features_equal_each_document_alone(build, window, packed):
+@pytest.mark.parametrize("tile", [64, 4], ids=["tile64", "tile4-classes"])
+def test_features_equal_each_document_alone(build, window, packed, tile, monkeypatch):
+    monkeypatch.setattr(document_attention, "QUERY_TILE", tile)  # 4: tiles of several widths
     target = build(window)
     lengths = DOCS if packed else [[n] for n in (10, 13, 7)]
     ids, pos, docs = rows(lengths)
