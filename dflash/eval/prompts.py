@@ -126,7 +126,8 @@ def prompt_sets(config: Config, tokenizer) -> list[PromptSet]:
     specs |= {name: spec for name, spec in ev.sets.items() if name != HELDOUT_SET}
     out = []
     for name, spec in specs.items():
-        modes = spec.modes or {DEFAULT_MODE: template_kwargs(config)}
+        base = template_kwargs(config)
+        modes = {m: base | options for m, options in (spec.modes or {DEFAULT_MODE: {}}).items()}
         new_tokens = spec.max_new_tokens or ev.max_new_tokens
         if spec.path is None:
             conversations = read_conversations(paths.HELDOUT)
