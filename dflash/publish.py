@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 from dflash import paths
-from dflash.config import HELDOUT_SET
 from dflash.errors import UserError
 from dflash.eval.freshness import stale_drafter
-from dflash.eval.strata import rows
+from dflash.eval.strata import scorecard_rows
 from dflash.fileio import atomic_dir
 from dflash.fingerprint import path_digest
 from dflash.model.card import SCORECARD_NOTE, scorecard_section
@@ -46,8 +45,7 @@ def publish(root: Path, out: Path) -> None:
     if out.resolve() == source.resolve() or out.resolve().is_relative_to(source.resolve()):
         raise UserError(f"{out}: publish to a directory outside {paths.DRAFTER}")
     metrics = scored_metrics(root)
-    sets = {HELDOUT_SET: metrics, **metrics.get("sets", {})}
-    table = [r for name, scored in sets.items() for r in rows(name, scored)]
+    table = scorecard_rows(metrics)
     card = (source / paths.DRAFTER_CARD).read_text().replace(SCORECARD_NOTE, "")
     with atomic_dir(out) as tmp:
         shutil.copytree(source, tmp, dirs_exist_ok=True)

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from dflash import paths
-from dflash.config import HELDOUT_SET, Config
+from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.eval.freshness import stale_drafter
 from dflash.eval.loops import text_ends_in_loop
-from dflash.eval.strata import rows
+from dflash.eval.strata import scorecard_rows
 
 TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
 PLAN_SUMMARY = paths.PLANS / paths.PLAN_SUMMARY
@@ -215,9 +215,8 @@ def evaluation(d: dict) -> list[str]:
 def scorecard(d: dict) -> list[str]:
     """Set x stratum: τ per response, its 95% interval, the n-gram baseline's τ, prompts."""
     out = [f"{'':13}{'set':<12}{'stratum':<16}{'tau':>6}{'95% CI':>13}{'n-gram':>8}{'n':>6}"]
-    sets = {HELDOUT_SET: d, **as_dict(d.get("sets"))}
     try:
-        flat = [r for name, metrics in sets.items() for r in rows(name, as_dict(metrics))]
+        flat = scorecard_rows(d)
     except (AttributeError, TypeError, KeyError):  # a hand-edited or partial file: no table
         return [f"{'':13}unreadable strata in {paths.EVAL_METRICS}"]
     for r in flat:

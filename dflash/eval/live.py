@@ -8,8 +8,7 @@ show`` and ``dvc plots diff`` compare them across experiments.
 from __future__ import annotations
 
 from dflash import paths
-from dflash.config import HELDOUT_SET
-from dflash.eval.strata import rows
+from dflash.eval.strata import scorecard_rows
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.live import open_live
 
@@ -43,8 +42,7 @@ def live_summary(metrics: dict) -> dict[str, float]:
 def strata_csv(metrics: dict) -> str:
     """Every set's rows, the held-out split first: one bar each in ``dvc plots``."""
     lines = ["label,set,stratum,acceptance_length,ci_low,ci_high,ngram_acceptance_length,n_prompts"]
-    sets = {HELDOUT_SET: metrics, **metrics.get("sets", {})}
-    for r in (r for name, m in sets.items() for r in rows(name, m)):
+    for r in scorecard_rows(metrics):
         ci = r["acceptance_length_ci95"] or [None, None]
         cells = [r["acceptance_length"], *ci, r["ngram_acceptance_length"]]
         shown = ["" if v is None else f"{v:.6f}" for v in cells]

@@ -124,9 +124,8 @@ def prompt_sets(config: Config, tokenizer) -> list[PromptSet]:
     ev = config.evaluate
     specs = {HELDOUT_SET: ev.sets.get(HELDOUT_SET, PromptSetConfig())}
     specs |= {name: spec for name, spec in ev.sets.items() if name != HELDOUT_SET}
-    out = []
+    out, base = [], template_kwargs(config)
     for name, spec in specs.items():
-        base = template_kwargs(config)
         modes = {m: base | options for m, options in (spec.modes or {DEFAULT_MODE: {}}).items()}
         new_tokens = spec.max_new_tokens or ev.max_new_tokens
         if spec.path is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dflash.config import HELDOUT_SET
 from dflash.eval.length_loss import TERCILES, tercile_groups
 from dflash.eval.metrics import acceptance_by_position, bootstrap_interval, response_tau
 from dflash.eval.prompts import Prompt
@@ -76,6 +77,14 @@ def strata(
                 lengths = [len(prompts[i].ids) for i in index]
                 out[kind][name]["prompt_tokens"] = [min(lengths), max(lengths)]
     return out
+
+
+def scorecard_rows(metrics: dict) -> list[dict]:
+    """The rows of every set of ``metrics/eval.json``, the held-out split (its top level) first;
+    a part that is not a mapping (a hand-edited file) gives no rows rather than an error."""
+    sets = metrics.get("sets")
+    sets = {HELDOUT_SET: metrics, **(sets if isinstance(sets, dict) else {})}
+    return [r for name, m in sets.items() for r in rows(name, m if isinstance(m, dict) else {})]
 
 
 def rows(set_name: str, metrics: dict) -> list[dict]:
