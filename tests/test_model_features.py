@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from conftest import tiny_qwen3
 
 from dflash.model import document_attention
-from dflash.model.document_attention import NAME, DocumentLayout, tile_keys
+from dflash.model.document_attention import NAME, DocumentLayout, document_classes, tile_keys
 from dflash.model.features import (
     decoder_layers,
     one_document_per_row,
@@ -57,10 +57,10 @@ def packed_rows():
     return ids, pos, docs
 
 
-@pytest.mark.parametrize("tile", [64, 4], ids=["tile64", "tile4-classes"])
+@pytest.mark.parametrize("step", [64, 4], ids=["step64", "step4-classes"])
 @pytest.mark.parametrize("rows", [padded_rows, packed_rows])
-def test_same_features_as_the_whole_stack(target, rows, tile, monkeypatch):
-    monkeypatch.setattr(document_attention, "QUERY_TILE", tile)  # 4: tiles of several widths
+def test_same_features_as_the_whole_stack(target, rows, step, monkeypatch):
+    monkeypatch.setattr(document_attention, "LENGTH_STEP", step)  # 4: several length classes
     ids, pos, docs = rows()
     got = target_features(target, ids, pos, docs, LAYERS)
     want = reference_features(target, ids, pos, docs, LAYERS)
@@ -85,9 +85,23 @@ def test_layers_above_the_deepest_fused_one_and_the_lm_head_never_run(target):
     assert [len(layer._forward_hooks) for layer in layers] == hooks_before  # ours are removed
 
 
-def test_rows_of_one_document_need_no_mask():
+def test_rows_of_one_document_need_no_mask(target, monkeypatch):
+    """Padded rows included: positions restarting on the padding would make Hugging Face
+    read the rows as packed and build a dense ``[R, 1, T, T]`` mask."""
     assert one_document_per_row(padded_rows()[2])
     assert not one_document_per_row(packed_rows()[2])
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    ids, pos, docs = padded_rows()
+    pos[1, 17:] = 0  # as the data loader pads
+    target_features(target, ids, pos, docs, LAYERS)
+    assert masks == [None] * (max(LAYERS) + 1)
 
 
 def dense_rule(docs: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -125,6 +139,24 @@ def test_tiles_gather_exactly_the_keys_each_query_may_see(window, tile):
     assert torch.equal(seen[:, :T], want)  # every visible key once, and nothing else
     *narrow, widest = sorted(tiles.keys.shape[1] for tiles in classes)
     assert all(w in {tile * 2**k for k in range(8)} for w in narrow) and widest <= T
+
+
+@pytest.mark.parametrize("step", [1, 4, 64])
+def test_length_classes_hold_every_document_once(step):
+    docs = torch.cat([packed_rows()[2], torch.tensor([[0, 0, -1, 1, -1] + [2] * 19])])
+    layout = DocumentLayout.of(docs)
+    assert layout.length.tolist() == [9, 10, 5, 14, 6, 2, 1, 19]  # padding runs left out
+    size = docs.numel()
+    written = torch.zeros(size + 1, dtype=torch.long)
+    for c in document_classes(layout.begin, layout.length, size, step):
+        assert c.width % step == 0 and c.source.numel() == c.target.numel() == c.count * c.width
+        source, target = c.source.view(c.count, c.width), c.target.view(c.count, c.width)
+        inside = target < size
+        assert torch.equal(source[inside], target[inside])  # a document reads where it writes
+        assert (inside.sum(1) > c.width - step).all()  # padded by less than one step
+        assert torch.equal(inside, inside.cummin(dim=1).values)  # its tokens first, in order
+        written.index_add_(0, target.flatten(), torch.ones_like(target.flatten()))
+    assert torch.equal(written[:size], (docs >= 0).flatten().long())  # every real token once
 
 
 def test_packed_rows_put_the_attention_kernel_back(target):

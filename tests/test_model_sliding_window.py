@@ -80,9 +80,10 @@ def alone(target, ids: torch.Tensor, lengths: list[list[int]]) -> torch.Tensor:
 @pytest.mark.parametrize("build", [qwen3_alternating, mistral], ids=["qwen3", "mistral"])
 @pytest.mark.parametrize("window", [4, 10, 40], ids=["smaller", "equal", "larger"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-document"])
-@pytest.mark.parametrize("tile", [64, 4], ids=["tile64", "tile4-classes"])
-def test_features_equal_each_document_alone(build, window, packed, tile, monkeypatch):
-    monkeypatch.setattr(document_attention, "QUERY_TILE", tile)  # 4: tiles of several widths
+@pytest.mark.parametrize("size", [64, 4], ids=["size64", "size4-classes"])
+def test_features_equal_each_document_alone(build, window, packed, size, monkeypatch):
+    monkeypatch.setattr(document_attention, "QUERY_TILE", size)  # 4: tiles of several widths
+    monkeypatch.setattr(document_attention, "LENGTH_STEP", size)  # 4: several length classes
     target = build(window)
     lengths = DOCS if packed else [[n] for n in (10, 13, 7)]
     ids, pos, docs = rows(lengths)
@@ -96,3 +97,20 @@ def test_the_window_changes_the_features():
     narrow = target_features(qwen3_alternating(4), ids, pos, docs, LAYERS)
     wide = target_features(qwen3_alternating(40), ids, pos, docs, LAYERS)
     assert (narrow - wide).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("window, tiled", [(4, 2), (12, 2), (13, 0), (40, 0)])
+def test_tiles_only_where_a_document_outgrows_the_window(window, tiled, monkeypatch):
+    """The two sliding layers the Qwen3 runs (of layers 0-3) take query tiles only when the
+    longest document (13 tokens) is longer than their window; every other layer, one call of
+    the causal kernel (the documents make one length class, the tiles one width class)."""
+    kinds = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        kinds.append("causal" if kwargs.get("is_causal") else "tiles")
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    target_features(qwen3_alternating(window), *rows(DOCS), LAYERS)
+    assert kinds.count("tiles") == tiled and kinds.count("causal") == len(LAYERS) + 1 - tiled

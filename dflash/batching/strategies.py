@@ -40,9 +40,14 @@ def bucketed_layout(lengths: np.ndarray, params: PlanParams, rng: np.random.Gene
 
 
 def packed_layout(lengths: np.ndarray, params: PlanParams, rng: np.random.Generator) -> Layout:
-    """Several samples per row up to ``max_seq_len``; rows in random order, then greedy."""
-    capacity = min(params.max_seq_len, params.token_budget)
-    row_of = pack_rows(lengths, capacity, rng)
+    """Several samples per row up to ``token_budget``; rows in random order, then greedy.
+
+    A row as long as the budget makes a packed micro-batch one row without padding (the
+    padding-free layout of varlen kernels): rows of ``max_seq_len``, several to a micro-batch,
+    would pad each to the fullest one, 3.6% of the default's tokens. Positions restart at
+    every sample and attention stays inside it, so no sample sees more than ``max_seq_len``.
+    """
+    row_of = pack_rows(lengths, params.token_budget, rng)
     row_pos = rng.permutation(int(row_of.max()) + 1)[row_of]
     order = np.lexsort((rng.random(lengths.size), row_pos))
     row_begin = np.ones(order.size, dtype=bool)

@@ -117,8 +117,8 @@ def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoc
     if meta["strategy"] != "packed":
         _require(s.row_starts.size == n, f"{where}: '{meta['strategy']}' rows hold one sample")
     _first(
-        s.row_tokens > meta["max_seq_len"],
-        lambda i: f"{where}: a row holds {s.row_tokens[i]} tokens > max_seq_len",
+        col["length"] > meta["max_seq_len"],
+        lambda i: f"{where}: sample {ids[i]} has {col['length'][i]} tokens > max_seq_len",
     )
     _first(
         s.mb_rows > meta["max_batch_size"],

@@ -265,10 +265,16 @@ def _backward_math(q, k, v, hidden, scale, out, lse, d_out, d_lse):
     return torch.matmul(d_scores, k) * scale, torch.matmul(d_scores.transpose(2, 3), q * scale), d_v
 
 
+def additive_mask(hidden: Tensor, dtype: torch.dtype) -> Tensor:
+    """The additive form of a mask, ``dtype``'s minimum where ``hidden``, which SDPA's fused
+    kernels take as is (a boolean mask they convert at every call)."""
+    bias = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+    return bias.masked_fill_(hidden, torch.finfo(dtype).min)
+
+
 def _fused_bias(q: Tensor, hidden: Tensor) -> Tensor:
     """The additive ``[R, 1, M, W]`` mask the fused kernel takes."""
-    bias = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
-    return bias.masked_fill_(hidden, torch.finfo(q.dtype).min)
+    return additive_mask(hidden, q.dtype)
 
 
 def _query_rows(hidden: Tensor, shape: torch.Size) -> Tensor:

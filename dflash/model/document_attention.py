@@ -2,13 +2,18 @@
 
 A packed row handed to SDPA with a block-diagonal ``T x T`` mask scores every pair of the row
 and masks most of them away; one SDPA call per document pays a kernel launch per document
-and layer instead, which grows with the number of documents a row holds. Here the row is cut
-into tiles of ``QUERY_TILE`` queries, and each tile gathers only the keys it may see: from the
-start of its first query's document (or the window's left edge, whichever is later) up to its
-last query. The tiles of a micro-batch run as one masked SDPA call per layer and width class
-(tiles needing up to 64, 128, 256, ... keys; the varlen idea, with tiles instead of
-documents), so the cost follows the documents' lengths, not their number, and a
-sliding-window layer pays only for its window.
+and layer instead, which grows with the number of documents a row holds. Two kernels here,
+each a few SDPA calls per layer however many documents the rows hold:
+
+- **Documents in length classes** (full-attention layers, and sliding-window layers whose
+  window no document outgrows): each document is copied once into a class of documents padded
+  to the same multiple of ``LENGTH_STEP`` tokens, and each class runs SDPA's causal kernel,
+  which skips what a query may not see. The varlen idea, with a few padded widths.
+- **Query tiles** (sliding-window layers over documents longer than the window): the row is
+  cut into tiles of ``QUERY_TILE`` queries; each gathers only the keys it may see, from its
+  first query's document start or the window's left edge up to its last query, and tiles
+  needing up to 64, 128, 256, ... keys run as one masked SDPA call per width class. A
+  sliding-window layer pays for its window, not for its documents' lengths.
 
 The function is registered with Hugging Face's attention interfaces under ``NAME`` and is
 switched on only for the feature pass over packed rows (``document_attention``); the
@@ -27,13 +32,18 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from dflash.model.attention import document_starts
+from dflash.model.attention import additive_mask, document_starts
 
 NAME = "dflash_documents"
 
 QUERY_TILE = 64
 """Queries per tile: a tile's keys reach back to its first query's document start, so smaller
 tiles waste fewer keys at document starts but gather more copies of the keys."""
+
+LENGTH_STEP = 64
+"""Documents are padded up to a multiple of this and grouped by that width: the causal
+kernel's work grows at most by ``(1 + LENGTH_STEP / length)^2``, and the calls per layer are
+at most the distinct widths (``max_seq_len / LENGTH_STEP``), fewer where documents are few."""
 
 UNSUPPORTED = ("softcap", "s_aux")
 """Attention keyword arguments some targets pass (Gemma-2 logit soft-capping, gpt-oss sinks)
@@ -102,35 +112,152 @@ def _tiles(
     return Tiles(index, row[:, None] * T + safe_k, mask[:, None])
 
 
+@dataclass(frozen=True)
+class Documents:
+    """One length class: ``count`` documents padded to ``width`` tokens, laid end to end.
+
+    ``source [count*width]`` are the flattened ``R*T`` positions each slot reads (past a
+    document's end: whatever follows, which only the padding slots after it can see);
+    ``target`` where each slot's output goes, ``R*T`` for padding slots (dropped).
+    """
+
+    source: Tensor
+    target: Tensor
+    count: int
+    width: int
+
+
+def document_classes(begin: Tensor, length: Tensor, size: int, step: int) -> list[Documents]:
+    """The documents starting at flattened positions ``begin`` with ``length`` tokens, of rows
+    ``size = R*T`` positions in all, grouped by their length rounded up to ``step``."""
+    width = (length + step - 1) // step * step
+    classes = []
+    for w in width.unique().tolist():
+        picked = width == w
+        slots = torch.arange(w, device=begin.device)
+        position = begin[picked, None] + slots  # [count, w]
+        inside = slots < length[picked, None]
+        classes.append(
+            Documents(
+                source=position.clamp(max=size - 1).flatten(),
+                target=torch.where(inside, position, size).flatten(),
+                count=int(picked.sum()),
+                width=w,
+            )
+        )
+    return classes
+
+
 @dataclass
 class DocumentLayout:
-    """Where each document of a micro-batch's rows starts, and its tiles per window size.
+    """A micro-batch's documents: where each starts, its length classes and its tiles.
 
-    Built once per micro-batch; the tiles of each window size (``None`` for full layers) are
-    built on first use and shared by every layer of that kind.
+    Built once per micro-batch; the classes, and the tiles of each window size (``None`` for
+    full layers) with their additive masks, are built on first use and shared by every layer
+    that needs them.
     """
 
     starts: Tensor
+    """``[R, T]``: each position's document start (padding runs count as documents)."""
+    begin: Tensor
+    """Flattened first positions of the real documents (padding runs are left out)."""
+    length: Tensor
     tile: int = QUERY_TILE
+    _documents: list[Documents] = field(default_factory=list)
     _tiles: dict[int | None, list[Tiles]] = field(default_factory=dict)
+    _masks: dict[tuple[int | None, torch.dtype], list[Tensor]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, document_ids: Tensor) -> DocumentLayout:
-        """The layout of rows of ``document_ids [R, T]``; padding (-1) runs are documents too,
-        whose outputs nobody reads."""
-        return cls(document_starts(document_ids), min(QUERY_TILE, document_ids.shape[1]))
+        """The layout of rows of ``document_ids [R, T]`` (-1 on padding)."""
+        R, T = document_ids.shape
+        starts = document_starts(document_ids)
+        runs = torch.nonzero((starts == torch.arange(T, device=starts.device)).flatten())[:, 0]
+        ends = torch.cat([runs[1:], runs.new_full((1,), R * T)])
+        real = document_ids.flatten()[runs] >= 0
+        return cls(starts, runs[real], (ends - runs)[real], min(QUERY_TILE, T))
+
+    def fits(self, window: int | None) -> bool:
+        """Whether no document outgrows ``window``: then it changes nothing."""
+        return window is None or self.length.numel() == 0 or int(self.length.max()) <= window
+
+    def documents(self) -> list[Documents]:
+        if not self._documents:
+            size = self.starts.numel()
+            self._documents = document_classes(self.begin, self.length, size, LENGTH_STEP)
+        return self._documents
 
     def tiles(self, window: int | None) -> list[Tiles]:
         if window not in self._tiles:
             self._tiles[window] = tile_keys(self.starts, window, self.tile)
         return self._tiles[window]
 
+    def masks(self, window: int | None, dtype: torch.dtype) -> list[Tensor]:
+        """The tiles' masks in additive form: SDPA would convert a boolean one at every layer."""
+        if (window, dtype) not in self._masks:
+            tiles = self.tiles(window)
+            self._masks[window, dtype] = [additive_mask(~t.mask, dtype) for t in tiles]
+        return self._masks[window, dtype]
+
 
 def _gather(x: Tensor, keys: Tensor) -> Tensor:
-    """Keys or values ``x [R, Hkv, T, d]`` at the tiles' key positions: ``[N, Hkv, W, d]``."""
+    """Keys or values ``x [R, Hkv, T, d]`` at the tiles' key positions: ``[N, Hkv, W, d]``.
+
+    ``index_select`` copies whole rows of ``Hkv x d``; advanced indexing goes element by
+    element and took about a quarter of the feature pass.
+    """
     R, Hkv, T, d = x.shape
     flat = x.transpose(1, 2).reshape(R * T, Hkv, d)
-    return flat[keys.flatten()].view(*keys.shape, Hkv, d).transpose(1, 2)
+    return flat.index_select(0, keys.flatten()).view(*keys.shape, Hkv, d).transpose(1, 2)
+
+
+def _by_documents(
+    query: Tensor, key: Tensor, value: Tensor, classes: list[Documents], scale: float | None
+) -> Tensor:
+    """Causal attention inside each document, one SDPA call per length class: ``[R, T, H, D]``
+    (zero on padding)."""
+    R, H, T, D = query.shape
+    flat = [x.transpose(1, 2).reshape(R * T, x.shape[1], D) for x in (query, key, value)]
+    out = query.new_zeros(R * T + 1, H, D)  # the last row takes the padding slots' outputs
+    for docs in classes:
+        q, k, v = (
+            x.index_select(0, docs.source).view(docs.count, docs.width, -1, D).transpose(1, 2)
+            for x in flat
+        )
+        part = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=H != key.shape[1]
+        )
+        out.index_copy_(0, docs.target, part.transpose(1, 2).reshape(-1, H, D))
+    return out[: R * T].view(R, T, H, D)
+
+
+def _by_tiles(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    layout: DocumentLayout,
+    window: int | None,
+    scale: float | None,
+) -> Tensor:
+    """Document-causal attention within ``window``, one SDPA call per width class of query
+    tiles: ``[R, T, H, D]``."""
+    R, H, T, D = query.shape
+    Q = layout.tile
+    n = -(-T // Q)
+    q = F.pad(query, (0, 0, 0, n * Q - T)).view(R, H, n, Q, D).transpose(1, 2)
+    q = q.reshape(R * n, H, Q, D)
+    out = torch.empty_like(q)
+    for tiles, mask in zip(layout.tiles(window), layout.masks(window, q.dtype), strict=True):
+        part = F.scaled_dot_product_attention(
+            q.index_select(0, tiles.index),
+            _gather(key, tiles.keys),
+            _gather(value, tiles.keys),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=H != key.shape[1],
+        )
+        out.index_copy_(0, tiles.index, part)
+    return out.view(R, n, H, Q, D).transpose(2, 3).reshape(R, n * Q, H, D)[:, :T]
 
 
 def attention(
@@ -147,29 +274,17 @@ def attention(
 ) -> tuple[Tensor, None]:
     """Document-causal (and windowed) attention of ``query/key/value [R, heads, T, D]``.
 
-    One SDPA call per width class of tiles. Returns ``[R, T, heads, D]`` as Hugging Face
-    attention functions do. Dropout and the (absent) mask are ignored: the target is frozen, in
-    eval mode.
+    By length classes where the window changes nothing, else by query tiles. Returns
+    ``[R, T, heads, D]`` as Hugging Face attention functions do. Dropout and the (absent) mask
+    are ignored: the target is frozen, in eval mode.
     """
     for name in UNSUPPORTED:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"packed rows: the target's attention uses {name}")
-    R, H, T, D = query.shape
-    Q = document_layout.tile
-    n = -(-T // Q)
-    q = F.pad(query, (0, 0, 0, n * Q - T)).view(R, H, n, Q, D).transpose(1, 2)
-    q = q.reshape(R * n, H, Q, D)
-    out = torch.empty_like(q)
-    for tiles in document_layout.tiles(sliding_window):
-        out[tiles.index] = F.scaled_dot_product_attention(
-            q[tiles.index],
-            _gather(key, tiles.keys),
-            _gather(value, tiles.keys),
-            attn_mask=tiles.mask,
-            scale=scaling,
-            enable_gqa=H != key.shape[1],
-        )
-    return out.view(R, n, H, Q, D).transpose(2, 3).reshape(R, n * Q, H, D)[:, :T], None
+    layout = document_layout
+    if layout.fits(sliding_window):
+        return _by_documents(query, key, value, layout.documents(), scaling), None
+    return _by_tiles(query, key, value, layout, sliding_window, scaling), None
 
 
 def no_mask(*args, **kwargs) -> None:

@@ -28,7 +28,8 @@ def one_document_per_row(document_ids: Tensor) -> bool:
 
     Such rows need no mask: the real tokens attend only to earlier real tokens under plain
     causal attention, and padding features are zeroed anyway, so SDPA runs its causal kernel
-    with no ``T x T`` tensor at all. Packed rows go through ``document_attention`` instead.
+    with no ``T x T`` tensor at all, provided the positions run on through the padding (see
+    ``target_features``). Packed rows go through ``document_attention`` instead.
     """
     real = document_ids >= 0
     return bool((document_ids[real] == 0).all() and not (real[:, 1:] & ~real[:, :-1]).any())
@@ -87,6 +88,11 @@ def target_features(
 
     if one_document_per_row(document_ids):
         packing, layout = contextlib.nullcontext(), {}
+        # Equal on the real tokens; on padding, a position restarting at 0 would make Hugging
+        # Face read the rows as packed and build a dense [R, 1, T, T] mask.
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
+            input_ids
+        )
     else:
         packing = document_attention(target)
         layout = {"document_layout": DocumentLayout.of(document_ids)}
