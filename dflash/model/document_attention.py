@@ -114,17 +114,23 @@ def _tiles(
 
 @dataclass(frozen=True)
 class Documents:
-    """One length class: ``count`` documents padded to ``width`` tokens, laid end to end.
+    """One length class: documents padded to the same width, one per row.
 
-    ``source [count*width]`` are the flattened ``R*T`` positions each slot reads (past a
+    ``source [count, width]`` are the flattened ``R*T`` positions each slot reads (past a
     document's end: whatever follows, which only the padding slots after it can see);
     ``target`` where each slot's output goes, ``R*T`` for padding slots (dropped).
     """
 
     source: Tensor
     target: Tensor
-    count: int
-    width: int
+
+    @property
+    def count(self) -> int:
+        return self.source.shape[0]
+
+    @property
+    def width(self) -> int:
+        return self.source.shape[1]
 
 
 def document_classes(begin: Tensor, length: Tensor, size: int, step: int) -> list[Documents]:
@@ -137,14 +143,7 @@ def document_classes(begin: Tensor, length: Tensor, size: int, step: int) -> lis
         slots = torch.arange(w, device=begin.device)
         position = begin[picked, None] + slots  # [count, w]
         inside = slots < length[picked, None]
-        classes.append(
-            Documents(
-                source=position.clamp(max=size - 1).flatten(),
-                target=torch.where(inside, position, size).flatten(),
-                count=int(picked.sum()),
-                width=w,
-            )
-        )
+        classes.append(Documents(position.clamp(max=size - 1), torch.where(inside, position, size)))
     return classes
 
 
@@ -162,8 +161,10 @@ class DocumentLayout:
     begin: Tensor
     """Flattened first positions of the real documents (padding runs are left out)."""
     length: Tensor
+    longest: int
+    """The longest real document (0 without any): read once, not at every layer."""
     tile: int = QUERY_TILE
-    _documents: list[Documents] = field(default_factory=list)
+    _documents: list[Documents] | None = None
     _tiles: dict[int | None, list[Tiles]] = field(default_factory=dict)
     _masks: dict[tuple[int | None, torch.dtype], list[Tensor]] = field(default_factory=dict)
 
@@ -175,14 +176,16 @@ class DocumentLayout:
         runs = torch.nonzero((starts == torch.arange(T, device=starts.device)).flatten())[:, 0]
         ends = torch.cat([runs[1:], runs.new_full((1,), R * T)])
         real = document_ids.flatten()[runs] >= 0
-        return cls(starts, runs[real], (ends - runs)[real], min(QUERY_TILE, T))
+        length = (ends - runs)[real]
+        longest = int(length.max()) if length.numel() else 0
+        return cls(starts, runs[real], length, longest, min(QUERY_TILE, T))
 
     def fits(self, window: int | None) -> bool:
         """Whether no document outgrows ``window``: then it changes nothing."""
-        return window is None or self.length.numel() == 0 or int(self.length.max()) <= window
+        return window is None or self.longest <= window
 
     def documents(self) -> list[Documents]:
-        if not self._documents:
+        if self._documents is None:
             size = self.starts.numel()
             self._documents = document_classes(self.begin, self.length, size, LENGTH_STEP)
         return self._documents
@@ -200,15 +203,20 @@ class DocumentLayout:
         return self._masks[window, dtype]
 
 
-def _gather(x: Tensor, keys: Tensor) -> Tensor:
-    """Keys or values ``x [R, Hkv, T, d]`` at the tiles' key positions: ``[N, Hkv, W, d]``.
+def _positions(x: Tensor) -> Tensor:
+    """``x [R, heads, T, d]`` as ``[R*T, heads, d]``: a view of Hugging Face's own layout."""
+    R, heads, T, d = x.shape
+    return x.transpose(1, 2).reshape(R * T, heads, d)
 
-    ``index_select`` copies whole rows of ``Hkv x d``; advanced indexing goes element by
+
+def _gather(flat: Tensor, index: Tensor) -> Tensor:
+    """``flat [R*T, heads, d]`` at the positions ``index [N, W]``: ``[N, heads, W, d]``.
+
+    ``index_select`` copies whole rows of ``heads x d``; advanced indexing goes element by
     element and took about a quarter of the feature pass.
     """
-    R, Hkv, T, d = x.shape
-    flat = x.transpose(1, 2).reshape(R * T, Hkv, d)
-    return flat.index_select(0, keys.flatten()).view(*keys.shape, Hkv, d).transpose(1, 2)
+    picked = flat.index_select(0, index.flatten())
+    return picked.view(*index.shape, *flat.shape[1:]).transpose(1, 2)
 
 
 def _by_documents(
@@ -217,17 +225,14 @@ def _by_documents(
     """Causal attention inside each document, one SDPA call per length class: ``[R, T, H, D]``
     (zero on padding)."""
     R, H, T, D = query.shape
-    flat = [x.transpose(1, 2).reshape(R * T, x.shape[1], D) for x in (query, key, value)]
+    flat = [_positions(x) for x in (query, key, value)]
     out = query.new_zeros(R * T + 1, H, D)  # the last row takes the padding slots' outputs
     for docs in classes:
-        q, k, v = (
-            x.index_select(0, docs.source).view(docs.count, docs.width, -1, D).transpose(1, 2)
-            for x in flat
-        )
+        q, k, v = (_gather(x, docs.source) for x in flat)
         part = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=H != key.shape[1]
         )
-        out.index_copy_(0, docs.target, part.transpose(1, 2).reshape(-1, H, D))
+        out.index_copy_(0, docs.target.flatten(), part.transpose(1, 2).reshape(-1, H, D))
     return out[: R * T].view(R, T, H, D)
 
 
@@ -247,11 +252,12 @@ def _by_tiles(
     q = F.pad(query, (0, 0, 0, n * Q - T)).view(R, H, n, Q, D).transpose(1, 2)
     q = q.reshape(R * n, H, Q, D)
     out = torch.empty_like(q)
+    keys, values = _positions(key), _positions(value)
     for tiles, mask in zip(layout.tiles(window), layout.masks(window, q.dtype), strict=True):
         part = F.scaled_dot_product_attention(
             q.index_select(0, tiles.index),
-            _gather(key, tiles.keys),
-            _gather(value, tiles.keys),
+            _gather(keys, tiles.keys),
+            _gather(values, tiles.keys),
             attn_mask=mask,
             scale=scale,
             enable_gqa=H != key.shape[1],
