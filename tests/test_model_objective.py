@@ -236,7 +236,7 @@ def _drafter_grads(drafter, loss):
 @pytest.mark.parametrize("packed", [False, True])
 def test_objective_equals_the_unchunked_dense_computation(target, drafter, monkeypatch, packed):
     """Chunked loss and two-part attention: same loss, hits and gradients as full logits + mask."""
-    monkeypatch.setattr(objective, "LOGITS_PER_CHUNK", 7 * drafter.config.vocab_size)
+    monkeypatch.setattr(objective, "LOGITS_PER_CHUNK_CPU", 7 * drafter.config.vocab_size)
     monkeypatch.setattr(attention, "CONTEXT_SCORES_PER_CHUNK", 1)  # one anchor per chunk
     gen = torch.Generator().manual_seed(3)
     a, b = torch.randint(1, 290, (14,), generator=gen), torch.randint(1, 290, (11,), generator=gen)
