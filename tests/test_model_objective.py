@@ -236,7 +236,7 @@ def _drafter_grads(drafter, loss):
 @pytest.mark.parametrize("packed", [False, True])
 def test_objective_equals_the_unchunked_dense_computation(target, drafter, monkeypatch, packed):
     """Chunked loss and two-part attention: same loss, hits and gradients as full logits + mask."""
-    monkeypatch.setattr(objective, "LOGITS_PER_CHUNK_CPU", 7 * drafter.config.vocab_size)
+    monkeypatch.setattr(objective, "chunk_rows", lambda vocab_size, device: 7)
     monkeypatch.setattr(attention, "CONTEXT_SCORES_PER_CHUNK", 1)  # one anchor per chunk
     gen = torch.Generator().manual_seed(3)
     a, b = torch.randint(1, 290, (14,), generator=gen), torch.randint(1, 290, (11,), generator=gen)
@@ -278,3 +278,17 @@ def test_bf16_autocast_gives_the_attention_bf16_inputs(target, drafter, monkeypa
     with torch.autocast("cpu", dtype=torch.bfloat16):
         dflash_objective(drafter, features, ids, loss, docs, pos, torch.tensor([[0, 3, 8]]), 7.0)
     assert seen and all(dtypes == {torch.bfloat16} for dtypes in seen)
+
+
+def test_loss_chunks_stay_on_the_heap_only_where_they_keep_enough_labels():
+    """CPU: 16 MiB chunks for a small vocabulary, the 64 MiB bound where 16 MiB would leave too
+    few labels a chunk; other devices always take the 64 MiB bound."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert objective.chunk_rows(4096, cpu) == objective.HEAP_LOGITS // 4096
+    assert objective.chunk_rows(4096, cuda) == objective.LOGITS_PER_CHUNK // 4096
+    assert objective.chunk_rows(151_936, cpu) == objective.LOGITS_PER_CHUNK // 151_936
+    assert objective.chunk_rows(1 << 30, cpu) == 1
+    for vocab in (4096, 32_000, 151_936):
+        rows = objective.chunk_rows(vocab, cpu)
+        assert rows * vocab <= objective.LOGITS_PER_CHUNK
+        assert rows >= min(objective.MIN_HEAP_ROWS, objective.LOGITS_PER_CHUNK // vocab)

@@ -109,12 +109,24 @@ def _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, fea
 
 
 LOGITS_PER_CHUNK = 1 << 24
-"""Logit elements (labels x vocab) held at once by the loss on a GPU: 64 MiB of fp32 per buffer."""
+"""Logit elements (labels x vocab) held at once by the loss: 64 MiB of fp32 per buffer."""
 
-LOGITS_PER_CHUNK_CPU = 1 << 22
-"""The same on CPU, 16 MiB. glibc maps every buffer over 32 MiB afresh and the kernel faults
-it in page by page (15K faults for 60 MiB), at every micro-batch; a smaller buffer is reused
-from the heap. At 3,900 labels x 4,096 logits the loss took 14% longer in 64 MiB chunks."""
+HEAP_LOGITS = 1 << 22
+"""On CPU, logits of a chunk held in 16 MiB where that still leaves ``MIN_HEAP_ROWS`` labels a
+chunk. glibc maps every buffer over 32 MiB afresh and the kernel faults it in page by page, at
+every micro-batch; a smaller one is reused from the heap (``bench/loss_chunks.py``)."""
+
+MIN_HEAP_ROWS = 1024
+"""Each chunk reads the whole head: with a large vocabulary, fewer labels a chunk cost more
+than the page faults saved (27 labels a chunk of 151,936 logits took 1.6x the time of 110)."""
+
+
+def chunk_rows(vocab_size: int, device: torch.device) -> int:
+    """Labels per chunk of the loss."""
+    heap_rows = HEAP_LOGITS // vocab_size
+    if device.type == "cpu" and heap_rows >= MIN_HEAP_ROWS:
+        return heap_rows
+    return max(1, LOGITS_PER_CHUNK // vocab_size)
 
 
 class ChunkedHeadLoss(torch.autograd.Function):
@@ -122,13 +134,11 @@ class ChunkedHeadLoss(torch.autograd.Function):
 
     The LM head is frozen, so the only gradient is the one w.r.t. ``hidden``; it is computed
     chunk by chunk in the forward, while each chunk's fp32 logits exist, and kept as one
-    ``[N, H]`` tensor. Logits never exist for more than one chunk of labels.
+    ``[N, H]`` tensor. Logits never exist for more than one chunk of ``rows`` labels.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, weights):
-        budget = LOGITS_PER_CHUNK_CPU if weight.device.type == "cpu" else LOGITS_PER_CHUNK
-        rows = max(1, budget // weight.shape[0])
+    def forward(ctx, hidden, weight, bias, target, weights, rows):
         loss = hidden.new_zeros((), dtype=torch.float32)
         hits = torch.empty_like(target, dtype=torch.bool)
         grad = torch.empty_like(hidden, dtype=torch.float32) if ctx.needs_input_grad[0] else None
@@ -153,7 +163,7 @@ class ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_hits):
         (grad,) = ctx.saved_tensors
-        return (grad_loss * grad).to(ctx.hidden_dtype), None, None, None, None
+        return (grad_loss * grad).to(ctx.hidden_dtype), None, None, None, None, None
 
 
 def _one_row(features, input_ids, loss_mask, document_ids, position_ids, anchors):
@@ -210,7 +220,11 @@ def dflash_objective(
     labels, counts = block_labels(input_ids, loss_mask, document_ids, anchors, bs)
     slots = slot.expand_as(labels)[counts]
     weights = label_weights(loss_mask, document_ids, anchors, bs, gamma)[counts]
-    loss_sum, hits = ChunkedHeadLoss.apply(hidden[counts], *drafter.head(), labels[counts], weights)
+    weight, bias = drafter.head()
+    rows = chunk_rows(weight.shape[0], weight.device)
+    loss_sum, hits = ChunkedHeadLoss.apply(
+        hidden[counts], weight, bias, labels[counts], weights, rows
+    )
     return ObjectiveOutput(
         loss_sum=loss_sum,
         weight_sum=weights.sum(),
