@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
 
 from dflash import paths
 from dflash.batching.packing import pack_rows
@@ -27,6 +26,7 @@ from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features
+from dflash.model.load import load_target
 from dflash.params import load_config
 from dflash.train.batches import MicroBatch, build_micro_batch
 from dflash.train.step import drafter_loss
@@ -83,7 +83,7 @@ def main() -> None:
     config = load_config(ROOT / "params.yaml")
     store = TokenStore(ROOT / paths.TOKENIZED)
     tokenizer = load_tokenizer(ROOT / paths.TOKENIZER)
-    target = AutoModelForCausalLM.from_pretrained(ROOT / paths.TARGET).eval()
+    target = load_target(ROOT / paths.TARGET, device="cpu")  # frozen, as training has it
     d = config.drafter
     drafter = DFlashDrafter.from_target(
         target,
