@@ -149,7 +149,11 @@ def test_length_classes_hold_every_document_once(step):
     size = docs.numel()
     written = torch.zeros(size + 1, dtype=torch.long)
     for c in document_classes(layout.begin, layout.length, size, step):
-        assert c.width % step == 0 and c.source.numel() == c.target.numel() == c.count * c.width
+        assert c.source.numel() == c.target.numel() == c.count * c.width
+        if c.count == 1:  # alone in its class: its own length, its own span
+            assert c.span is not None and torch.equal(c.source[0], torch.arange(size)[c.span])
+        else:
+            assert c.width % step == 0 and c.span is None
         source, target = c.source.view(c.count, c.width), c.target.view(c.count, c.width)
         inside = target < size
         assert torch.equal(source[inside], target[inside])  # a document reads where it writes

@@ -8,7 +8,8 @@ each a few SDPA calls per layer however many documents the rows hold:
 - **Documents in length classes** (full-attention layers, and sliding-window layers whose
   window no document outgrows): each document is copied once into a class of documents padded
   to the same multiple of ``LENGTH_STEP`` tokens, and each class runs SDPA's causal kernel,
-  which skips what a query may not see. The varlen idea, with a few padded widths.
+  which skips what a query may not see. The varlen idea, with a few padded widths; a document
+  alone in its class is read and written in place.
 - **Query tiles** (sliding-window layers over documents longer than the window): the row is
   cut into tiles of ``QUERY_TILE`` queries; each gathers only the keys it may see, from its
   first query's document start or the window's left edge up to its last query, and tiles
@@ -118,11 +119,13 @@ class Documents:
 
     ``source [count, width]`` are the flattened ``R*T`` positions each slot reads (past a
     document's end: whatever follows, which only the padding slots after it can see);
-    ``target`` where each slot's output goes, ``R*T`` for padding slots (dropped).
+    ``target`` where each slot's output goes, ``R*T`` for padding slots (dropped). A class of
+    one document is its exact length and has its ``span``: read and written in place.
     """
 
     source: Tensor
     target: Tensor
+    span: slice | None = None
 
     @property
     def count(self) -> int:
@@ -135,15 +138,22 @@ class Documents:
 
 def document_classes(begin: Tensor, length: Tensor, size: int, step: int) -> list[Documents]:
     """The documents starting at flattened positions ``begin`` with ``length`` tokens, of rows
-    ``size = R*T`` positions in all, grouped by their length rounded up to ``step``."""
+    ``size = R*T`` positions in all, grouped by their length rounded up to ``step``; a document
+    alone in its class keeps its own length, and needs no copy."""
     width = (length + step - 1) // step * step
+    widths, counts = width.unique(return_counts=True)
+    width = torch.where(torch.isin(width, widths[counts == 1]), length, width)
     classes = []
     for w in width.unique().tolist():
         picked = width == w
         slots = torch.arange(w, device=begin.device)
         position = begin[picked, None] + slots  # [count, w]
         inside = slots < length[picked, None]
-        classes.append(Documents(position.clamp(max=size - 1), torch.where(inside, position, size)))
+        span = None
+        if len(position) == 1 and bool(inside.all()):
+            span = slice(int(position[0, 0]), int(position[0, 0]) + w)
+        target = torch.where(inside, position, size)
+        classes.append(Documents(position.clamp(max=size - 1), target, span))
     return classes
 
 
@@ -228,11 +238,17 @@ def _by_documents(
     flat = [_positions(x) for x in (query, key, value)]
     out = query.new_zeros(R * T + 1, H, D)  # the last row takes the padding slots' outputs
     for docs in classes:
-        q, k, v = (_gather(x, docs.source) for x in flat)
+        if docs.span is None:
+            q, k, v = (_gather(x, docs.source) for x in flat)
+        else:
+            q, k, v = (x[docs.span].transpose(0, 1)[None] for x in flat)
         part = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=H != key.shape[1]
         )
-        out.index_copy_(0, docs.target.flatten(), part.transpose(1, 2).reshape(-1, H, D))
+        if docs.span is None:
+            out.index_copy_(0, docs.target.flatten(), part.transpose(1, 2).reshape(-1, H, D))
+        else:
+            out[docs.span] = part[0].transpose(0, 1)
     return out[: R * T].view(R, T, H, D)
 
 
