@@ -150,8 +150,9 @@ def document_classes(begin: Tensor, length: Tensor, size: int, step: int) -> lis
         position = begin[picked, None] + slots  # [count, w]
         inside = slots < length[picked, None]
         span = None
-        if len(position) == 1 and bool(inside.all()):
-            span = slice(int(position[0, 0]), int(position[0, 0]) + w)
+        if len(position) == 1:  # alone in its class, so ``w`` is its own length
+            first = int(position[0, 0])
+            span = slice(first, first + w)
         target = torch.where(inside, position, size)
         classes.append(Documents(position.clamp(max=size - 1), target, span))
     return classes
