@@ -1,11 +1,11 @@
 """Training-step time per token on the same documents, packed against one document a row.
 
 Needs the pipeline's token store, target and tokenizer (`make repro`). ``--samples`` random
-samples are laid out twice under ``batching.token_budget``: packed (``pack_rows``, one row a
-micro-batch, as the ``packed`` strategy does) and one document a row, longest first (as
-``sorted`` does). Each micro-batch runs the target's features, the drafter's loss and its
-backward; the two layouts alternate ``--repeats`` times in one process, so the machine's drift
-hits both alike. It prints the median milliseconds per 1,000 real tokens of each part.
+samples are laid out twice, by the ``packed`` strategy (one row a micro-batch) and by
+``sorted`` (one document a row, longest first), under the params' budget. Each micro-batch
+runs the target's features, the drafter's loss and its backward; the two layouts alternate
+``--repeats`` times in one process, so the machine's drift hits both alike. It prints the
+median milliseconds per 1,000 real tokens of each part.
 
     python bench/step_time.py [--samples 96] [--repeats 5] [--threads 1]
 """
@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from dflash import paths
-from dflash.batching.packing import pack_rows
+from dflash.batching.io import Row
+from dflash.batching.plan import params_from_config
+from dflash.batching.strategies import STRATEGIES
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.drafter import DFlashDrafter
@@ -33,27 +35,27 @@ from dflash.train.step import drafter_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("features", "drafter", "backward")
+LAYOUTS = {"packed": "packed", "one doc a row": "sorted"}
+"""The layouts compared, and the strategy that lays each out."""
 
 
-def layouts(lengths: dict[int, int], budget: int, seed: int) -> dict[str, list[list[list]]]:
-    """Plan rows ``(sample_id, offset, length)`` of both layouts of the same samples."""
-    ids = np.array(sorted(lengths))
-    sizes = np.array([lengths[i] for i in ids])
-    row_of = pack_rows(sizes, budget, np.random.default_rng(seed))
-    packed = []
-    for r in range(int(row_of.max()) + 1):
-        row, offset = [], 0
-        for i in np.flatnonzero(row_of == r):
-            row.append((int(ids[i]), offset, int(sizes[i])))
-            offset += int(sizes[i])
-        packed.append([row])
-    alone, rows = [], []
-    for i in np.argsort(-sizes, kind="stable"):
-        if rows and rows[0][0][2] * (len(rows) + 1) > budget:
-            alone.append(rows)
-            rows = []
-        rows.append([(int(ids[i]), 0, int(sizes[i]))])
-    return {"packed": packed, "one doc a row": [*alone, rows]}
+def micro_batches(strategy: str, ids: np.ndarray, sizes: np.ndarray) -> list[list[Row]]:
+    """The micro-batches the ``strategy`` lays these samples out in, as plan rows
+    ``(sample_id, offset, length)`` with the store's sample ids."""
+    config = load_config(ROOT / "params.yaml", [f"batching.strategy={strategy}"])
+    params = params_from_config(config, sizes)
+    layout = STRATEGIES[strategy](sizes, params, np.random.default_rng([params.seed, 0]))
+    out: list[list[Row]] = []
+    offset = 0
+    for position, sample in enumerate(layout.order.tolist()):
+        if layout.mb_begin[position]:
+            out.append([])
+        if layout.row_begin[position]:
+            out[-1].append([])
+            offset = 0
+        out[-1][-1].append((int(ids[sample]), offset, int(sizes[sample])))
+        offset += int(sizes[sample])
+    return out
 
 
 def timed_step(target, drafter, layer_ids, batches: list[MicroBatch], gamma: float) -> np.ndarray:
@@ -95,14 +97,17 @@ def main() -> None:
         seed=0,
     )
     layer_ids = drafter.config.target_layer_ids
-    picked = np.random.default_rng(0).choice(len(store), args.samples, replace=False)
-    lengths = {int(i): len(store[int(i)][0]) for i in picked}
+    ids = np.sort(np.random.default_rng(0).choice(len(store), args.samples, replace=False))
+    sizes = np.array([len(store[int(i)][0]) for i in ids])
     kwargs = dict(
         block_size=d.block_size, anchors_per_sequence=d.anchors_per_sequence, gamma=d.gamma
     )
     sets = {
-        name: [build_micro_batch(store, mb, **kwargs, seed=0, epoch=0) for mb in plan]
-        for name, plan in layouts(lengths, config.batching.token_budget, seed=0).items()
+        name: [
+            build_micro_batch(store, mb, **kwargs, seed=0, epoch=0)
+            for mb in micro_batches(strategy, ids, sizes)
+        ]
+        for name, strategy in LAYOUTS.items()
     }
     runs: dict[str, list[np.ndarray]] = {name: [] for name in sets}
     for repeat in range(args.repeats + 1):  # the first warms up
