@@ -93,6 +93,7 @@ def hub_modules(tmp_path, monkeypatch):
     return tmp_path / "modules"
 
 
+@pytest.mark.filterwarnings("error:`past_key_values` is deprecated:FutureWarning")
 def test_export_loads_through_automodel_and_decodes_losslessly(target, tmp_path, hub_modules):
     drafter = DFlashDrafter.from_target(
         target, block_size=4, num_hidden_layers=2, num_target_features=3, mask_token_id=299,
@@ -103,7 +104,7 @@ def test_export_loads_through_automodel_and_decodes_losslessly(target, tmp_path,
     assert config["dflash_config"]["mask_token"] == "<|MASK|>"
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel"}
     code = (tmp_path / "drafter" / config["auto_map"]["AutoModel"].split(".")[0]).with_suffix(".py")
-    assert imported_packages(code) == {"__future__", "torch", "transformers"}
+    assert imported_packages(code) == {"__future__", "inspect", "torch", "transformers"}
 
     model = AutoModel.from_pretrained(
         tmp_path / "drafter", trust_remote_code=True, local_files_only=True

@@ -1,6 +1,7 @@
 """Speculative decoding is lossless, a trained drafter gets accepted, and export round-trips."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -77,6 +78,16 @@ def test_overfit_drafter_is_lossless_and_accepted(target, overfit):
     out = dflash_generate(target, drafter, prompt, 24)
     tau = sum(out.accepted) / len(out.accepted)
     assert tau > 2.0, out.accepted  # training and inference agree on what a block sees
+
+
+def test_the_cache_goes_by_the_keyword_the_target_takes(target):
+    """transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns, and goes in
+    5.40); the decoders must not lean on the old name."""
+    drafter = new_drafter(target)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        reference = greedy_generate(target, PROMPTS[0], 8)
+        assert dflash_generate(target, drafter, PROMPTS[0], 8).tokens == reference
 
 
 def test_budget_and_stop_tokens(target):

@@ -10,6 +10,7 @@ the n-gram baseline (:mod:`dflash.eval.ngram`) looks the drafts up in the text s
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,14 @@ from transformers import DynamicCache
 
 from dflash.model.drafter import ContextCache, DFlashDrafter
 from dflash.model.features import select_features
+
+
+def with_cache(target: nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """The KV cache as the keyword ``target.forward`` takes: ``cache`` in transformers 5
+    (where ``past_key_values`` warns on every call and goes in 5.40), ``past_key_values`` before.
+    """
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 @dataclass
@@ -143,7 +152,7 @@ def greedy_decode(
     ):
         positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
         logits = target(
-            input_ids=ids, position_ids=positions, past_key_values=cache, logits_to_keep=1
+            input_ids=ids, position_ids=positions, logits_to_keep=1, **with_cache(target, cache)
         ).logits
         position += ids.shape[1]
         out.tokens.append(int(logits[0, -1].argmax()))
@@ -191,7 +200,7 @@ def speculative_generate(
     prefill = target(
         input_ids=ids,
         position_ids=torch.arange(start, device=device)[None],
-        past_key_values=cache,
+        **with_cache(target, cache),
         output_hidden_states=hidden,
         logits_to_keep=1,
     )
@@ -210,7 +219,7 @@ def speculative_generate(
         verify = target(
             input_ids=block,
             position_ids=torch.arange(start, start + block.shape[1], device=device)[None],
-            past_key_values=cache,
+            **with_cache(target, cache),
             output_hidden_states=hidden,
         )
         greedy = verify.logits[0].argmax(dim=-1)

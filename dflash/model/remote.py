@@ -2,13 +2,15 @@
 
 The export copies this file as ``dflash.py`` and points ``auto_map`` at it, so ``AutoModel``
 with ``trust_remote_code=True`` (z-lab's documented path) loads the drafter without this
-project installed. It imports torch and transformers only. The
+project installed. It imports torch, transformers and the standard library only. The
 parameter names are those of ``dflash.model.drafter`` and of z-lab's reference, so the same
 ``model.safetensors`` loads here with nothing missing or left over. Rope is plain rope with
 ``rope_theta``, as the trainer's drafter uses.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -181,7 +183,7 @@ class DFlashDraftModel(PreTrainedModel):
         mask = self.mask_token_id if mask_token_id is None else mask_token_id
         stops = set(stop_token_ids or ())
         prompt, cache = input_ids.shape[1], DynamicCache()
-        out = target(input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        out = target(input_ids, use_cache=True, output_hidden_states=True, **kv(target, cache))
         context = self.features(out.hidden_states)
         ids = torch.cat([input_ids, pick(out.logits[:, -1:], temperature)], dim=1)
         stopped = int(ids[0, -1]) in stops
@@ -192,8 +194,8 @@ class DFlashDraftModel(PreTrainedModel):
             start = context.shape[1]
             positions = torch.arange(start, start + self.block_size, device=ids.device)[None]
             out = target(
-                block, position_ids=positions, past_key_values=cache, use_cache=True,
-                output_hidden_states=True,
+                block, position_ids=positions, use_cache=True, output_hidden_states=True,
+                **kv(target, cache),
             )  # fmt: skip
             posterior = pick(out.logits, temperature)
             agree = int((block[0, 1:] == posterior[0, :-1]).long().cumprod(0).sum())
@@ -203,6 +205,14 @@ class DFlashDraftModel(PreTrainedModel):
             drop(cache, cache.get_seq_length() - context.shape[1])
             stopped = bool(stops & set(new[0].tolist()))
         return trim(ids, prompt, max_new_tokens, stops)
+
+
+def kv(target: nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
+    """The cache under the keyword the target takes: ``cache`` in transformers 5, where
+    ``past_key_values`` warns and goes in 5.40; ``past_key_values`` before (this file imports
+    nothing of the project, so it does not share ``dflash.model.generate.with_cache``)."""
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 def drop(cache: DynamicCache, count: int) -> None:
