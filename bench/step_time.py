@@ -1,19 +1,24 @@
-"""Training-step time per token on the same documents, packed against one document a row.
+"""Training-step time per token of each strategy's micro-batches, interleaved in one process.
 
-Needs the pipeline's token store, target and tokenizer (`make repro`). ``--samples`` random
-samples are laid out twice, by the ``packed`` strategy (one row a micro-batch) and by
-``sorted`` (one document a row, longest first), under the params' budget. Each micro-batch
-runs the target's features, the drafter's loss and its backward; the two layouts alternate
-``--repeats`` times in one process, so the machine's drift hits both alike. It prints the
-median milliseconds per 1,000 real tokens of each part.
+Needs the pipeline's token store, target and tokenizer (`make repro`). The samples (all of the
+store, or ``--samples`` random ones) are laid out by each strategy as its epoch 0 lays them
+out under ``params.yaml``. Each micro-batch runs the target's features, the drafter's loss and
+its backward. The strategies' micro-batches are timed in turn, one of each at a time (the order
+flipping every time), for ``--passes`` passes, so the machine's drift hits all alike; each
+micro-batch counts its fastest pass. It prints milliseconds per 1,000 real tokens of each part,
+and the step against the best of ``sorted`` and ``bucketed``.
 
-    python bench/step_time.py [--samples 96] [--repeats 5] [--threads 1]
+End-to-end epochs (``bench/train_throughput.py``) add the data loader and the ranks' waits,
+and vary by 5-10% from run to run here; this isolates what a strategy's layout costs per token.
+
+    python bench/step_time.py [--samples N] [--strategies sorted,bucketed,packed]
+        [--passes 2] [--threads 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
 import time
 from pathlib import Path
 
@@ -35,12 +40,11 @@ from dflash.train.step import drafter_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("features", "drafter", "backward")
-LAYOUTS = {"packed": "packed", "one doc a row": "sorted"}
-"""The layouts compared, and the strategy that lays each out."""
+BASELINES = ("sorted", "bucketed")
 
 
 def micro_batches(strategy: str, ids: np.ndarray, sizes: np.ndarray) -> list[list[Row]]:
-    """The micro-batches the ``strategy`` lays these samples out in, as plan rows
+    """The micro-batches the ``strategy`` lays these samples out in at epoch 0, as plan rows
     ``(sample_id, offset, length)`` with the store's sample ids."""
     config = load_config(ROOT / "params.yaml", [f"batching.strategy={strategy}"])
     params = params_from_config(config, sizes)
@@ -58,34 +62,47 @@ def micro_batches(strategy: str, ids: np.ndarray, sizes: np.ndarray) -> list[lis
     return out
 
 
-def timed_step(target, drafter, layer_ids, batches: list[MicroBatch], gamma: float) -> np.ndarray:
-    """Seconds of each part over ``batches``."""
-    seconds = np.zeros(len(PARTS))
-    for mb in batches:
-        began = time.perf_counter()
-        features = target_features(
-            target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids
-        )
-        drafted = time.perf_counter()
-        out = drafter_loss(drafter, features, mb, gamma)
-        lossed = time.perf_counter()
-        out.loss_sum.backward()
-        seconds += (drafted - began, lossed - drafted, time.perf_counter() - lossed)
+def timed_step(target, drafter, layer_ids, mb: MicroBatch, gamma: float) -> np.ndarray:
+    """Seconds of each part of one micro-batch's step."""
+    began = time.perf_counter()
+    features = target_features(target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids)
+    drafted = time.perf_counter()
+    out = drafter_loss(drafter, features, mb, gamma)
+    lossed = time.perf_counter()
+    out.loss_sum.backward()
+    seconds = np.array([drafted - began, lossed - drafted, time.perf_counter() - lossed])
     drafter.zero_grad()
     return seconds
 
 
+def interleaved(run, sets: dict[str, list[MicroBatch]], passes: int) -> dict[str, np.ndarray]:
+    """``run(mb)`` on every micro-batch of every set, one of each set at a time: the fastest
+    of ``passes`` per micro-batch, ``[micro-batches, parts]`` per set."""
+    best = {name: np.full((len(mbs), len(PARTS)), np.inf) for name, mbs in sets.items()}
+    names = list(sets)
+    for p in range(passes):
+        for i in range(max(len(mbs) for mbs in sets.values())):
+            for name in names if (i + p) % 2 == 0 else names[::-1]:
+                if i < len(sets[name]):
+                    seconds = run(sets[name][i])
+                    if seconds.sum() < best[name][i].sum():
+                        best[name][i] = seconds
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=None, help="default: all of the store")
+    parser.add_argument("--strategies", default="sorted,bucketed,packed")
+    parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="1: as each of 2 ranks has")
     args = parser.parse_args()
+    os.chdir(ROOT)  # the params' relative paths (bucket edges from `stats`)
     torch.set_num_threads(args.threads)
-    config = load_config(ROOT / "params.yaml")
-    store = TokenStore(ROOT / paths.TOKENIZED)
-    tokenizer = load_tokenizer(ROOT / paths.TOKENIZER)
-    target = load_target(ROOT / paths.TARGET, device="cpu")  # frozen, as training has it
+    config = load_config("params.yaml")
+    store = TokenStore(paths.TOKENIZED)
+    tokenizer = load_tokenizer(paths.TOKENIZER)
+    target = load_target(paths.TARGET, device="cpu")  # frozen, as training has it
     d = config.drafter
     drafter = DFlashDrafter.from_target(
         target,
@@ -97,35 +114,41 @@ def main() -> None:
         seed=0,
     )
     layer_ids = drafter.config.target_layer_ids
-    ids = np.sort(np.random.default_rng(0).choice(len(store), args.samples, replace=False))
+    ids = np.arange(len(store))
+    if args.samples is not None:
+        ids = np.sort(np.random.default_rng(0).choice(len(store), args.samples, replace=False))
     sizes = np.array([len(store[int(i)][0]) for i in ids])
     kwargs = dict(
         block_size=d.block_size, anchors_per_sequence=d.anchors_per_sequence, gamma=d.gamma
     )
     sets = {
-        name: [
+        strategy: [
             build_micro_batch(store, mb, **kwargs, seed=0, epoch=0)
             for mb in micro_batches(strategy, ids, sizes)
         ]
-        for name, strategy in LAYOUTS.items()
+        for strategy in args.strategies.split(",")
     }
-    runs: dict[str, list[np.ndarray]] = {name: [] for name in sets}
-    for repeat in range(args.repeats + 1):  # the first warms up
-        for name, batches in sets.items():
-            seconds = timed_step(target, drafter, layer_ids, batches, d.gamma)
-            if repeat:
-                runs[name].append(seconds)
-    print(
-        f"{args.samples} samples, {args.threads} thread(s), median of {args.repeats}, "
-        "ms per 1,000 real tokens"
+    best = interleaved(
+        lambda mb: timed_step(target, drafter, layer_ids, mb, d.gamma), sets, args.passes
     )
     print(
-        f"{'layout':<15}{'micro-batches':>14}" + "".join(f"{p:>10}" for p in PARTS) + f"{'step':>8}"
+        f"{len(ids)} samples, {args.threads} thread(s), fastest of {args.passes} passes per "
+        "micro-batch, ms per 1,000 real tokens"
     )
-    for name, batches in sets.items():
-        per_k = np.array(runs[name]) * 1e6 / sum(mb.real_tokens for mb in batches)
-        parts = "".join(f"{statistics.median(per_k[:, i]):>10.1f}" for i in range(len(PARTS)))
-        print(f"{name:<15}{len(batches):>14}{parts}{statistics.median(per_k.sum(1)):>8.1f}")
+    print(
+        f"{'strategy':<10}{'micro-batches':>14}"
+        + "".join(f"{p:>10}" for p in PARTS)
+        + f"{'step':>8}{'vs best s/b':>13}"
+    )
+    per_k = {
+        name: best[name].sum(0) * 1e6 / sum(mb.real_tokens for mb in mbs)
+        for name, mbs in sets.items()
+    }
+    baseline = min((per_k[b].sum() for b in BASELINES if b in per_k), default=None)
+    for name, parts in per_k.items():
+        ratio = f"{baseline / parts.sum():>12.3f}x" if baseline else ""
+        cells = "".join(f"{v:>10.1f}" for v in parts)
+        print(f"{name:<10}{len(sets[name]):>14}{cells}{parts.sum():>8.1f}{ratio}")
 
 
 if __name__ == "__main__":
