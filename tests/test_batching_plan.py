@@ -149,6 +149,16 @@ def test_packed_fills_rows_up_to_the_budget_without_padding():
     assert s.row_tokens.max() <= 8192 and s.row_tokens.mean() > 0.97 * 8192
 
 
+def test_packed_rows_go_longest_first_so_equal_samples_lie_side_by_side():
+    lengths = np.minimum(lognormal_lengths(5000, high=2048), 512)  # many cut at one length
+    params = make_params(lengths, "packed", token_budget=2048, max_seq_len=512)
+    table = plan_epoch(lengths, params, 0)
+    row = np.cumsum(table["offset"].to_numpy() == 0)
+    length = table["length"].to_numpy()
+    same_row = row[1:] == row[:-1]
+    assert (length[1:][same_row] <= length[:-1][same_row]).all()
+
+
 def test_read_rank_plan(tmp_path):
     lengths = lognormal_lengths(2000)
     params = make_params(lengths, "packed", world_size=3, grad_accum=2)

@@ -57,8 +57,17 @@ def packed_rows():
     return ids, pos, docs
 
 
-@pytest.mark.parametrize("step", [64, 4], ids=["step64", "step4-classes"])
-@pytest.mark.parametrize("rows", [padded_rows, packed_rows])
+def equal_rows():
+    """Packed rows whose documents of one length lie back to back, as ``packed`` lays them."""
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+    lengths = ([8, 8, 8], [6, 6, 5, 5, 2])
+    docs = torch.stack([torch.cat([torch.full((n,), d) for d, n in enumerate(r)]) for r in lengths])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in lengths])
+    return ids, pos, docs
+
+
+@pytest.mark.parametrize("step", [64, 4, 1], ids=["step64", "step4-classes", "step1-exact-classes"])
+@pytest.mark.parametrize("rows", [padded_rows, packed_rows, equal_rows])
 def test_same_features_as_the_whole_stack(target, rows, step, monkeypatch):
     monkeypatch.setattr(document_attention, "LENGTH_STEP", step)  # 4: several length classes
     ids, pos, docs = rows()
@@ -143,24 +152,34 @@ def test_tiles_gather_exactly_the_keys_each_query_may_see(window, tile):
 
 @pytest.mark.parametrize("step", [1, 4, 64])
 def test_length_classes_hold_every_document_once(step):
-    docs = torch.cat([packed_rows()[2], torch.tensor([[0, 0, -1, 1, -1] + [2] * 19])])
+    more = [[0, 0, -1, 1, -1] + [2] * 19, [0] * 8 + [1] * 8 + [2] * 8]
+    docs = torch.cat([packed_rows()[2], equal_rows()[2][1:], torch.tensor(more)])
     layout = DocumentLayout.of(docs)
-    assert layout.length.tolist() == [9, 10, 5, 14, 6, 2, 1, 19]  # padding runs left out
+    lengths = [9, 10, 5, 14, 6, 6, 6, 5, 5, 2, 2, 1, 19, 8, 8, 8]
+    assert layout.length.tolist() == lengths  # padding runs left out
     size = docs.numel()
     written = torch.zeros(size + 1, dtype=torch.long)
-    for c in document_classes(layout.begin, layout.length, size, step):
+    classes = document_classes(layout.begin, layout.length, size, step)
+    for c in classes:
         assert c.source.numel() == c.target.numel() == c.count * c.width
-        if c.count == 1:  # alone in its class: its own length, its own span
-            assert c.span is not None and torch.equal(c.source[0], torch.arange(size)[c.span])
-        else:
-            assert c.width % step == 0 and c.span is None
         source, target = c.source.view(c.count, c.width), c.target.view(c.count, c.width)
         inside = target < size
+        if c.span is not None:  # back to back, one length: read and written in place
+            assert inside.all() and torch.equal(source.flatten(), torch.arange(size)[c.span])
+        else:
+            assert c.width % step == 0
         assert torch.equal(source[inside], target[inside])  # a document reads where it writes
         assert (inside.sum(1) > c.width - step).all()  # padded by less than one step
         assert torch.equal(inside, inside.cummin(dim=1).values)  # its tokens first, in order
         written.index_add_(0, target.flatten(), torch.ones_like(target.flatten()))
     assert torch.equal(written[:size], (docs >= 0).flatten().long())  # every real token once
+    in_place = sorted((c.count, c.width) for c in classes if c.span is not None)
+    # Exact classes: the lone documents, the back-to-back 8s and the two 2s (the second opens
+    # the next row, so they lie back to back flattened); not the 6s and 5s, whose equals lie
+    # elsewhere. Rounded to 4: the lone 14 and 19 only.
+    want = {1: [(1, 1), (1, 9), (1, 10), (1, 14), (1, 19), (2, 2), (3, 8)]}
+    want |= {4: [(1, 14), (1, 19)], 64: []}
+    assert in_place == want[step]
 
 
 def test_packed_rows_put_the_attention_kernel_back(target):

@@ -46,10 +46,12 @@ def packed_layout(lengths: np.ndarray, params: PlanParams, rng: np.random.Genera
     padding-free layout of varlen kernels): rows of ``max_seq_len``, several to a micro-batch,
     would pad each to the fullest one, 3.6% of the default's tokens. Positions restart at
     every sample and attention stays inside it, so no sample sees more than ``max_seq_len``.
+    Inside a row samples go longest first, so samples of one length (those cut at
+    ``max_seq_len``, say) lie side by side and the target's feature pass reads them in place.
     """
     row_of = pack_rows(lengths, params.token_budget, rng)
     row_pos = rng.permutation(int(row_of.max()) + 1)[row_of]
-    order = np.lexsort((rng.random(lengths.size), row_pos))
+    order = np.lexsort((rng.random(lengths.size), -lengths.astype(np.int64), row_pos))
     row_begin = np.ones(order.size, dtype=bool)
     row_begin[1:] = row_pos[order][1:] != row_pos[order][:-1]
     row_starts = np.flatnonzero(row_begin)

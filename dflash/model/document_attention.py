@@ -8,8 +8,9 @@ each a few SDPA calls per layer however many documents the rows hold:
 - **Documents in length classes** (full-attention layers, and sliding-window layers whose
   window no document outgrows): each document is copied once into a class of documents padded
   to the same multiple of ``LENGTH_STEP`` tokens, and each class runs SDPA's causal kernel,
-  which skips what a query may not see. The varlen idea, with a few padded widths; a document
-  alone in its class is read and written in place.
+  which skips what a query may not see. The varlen idea, with a few padded widths; documents
+  of one length lying back to back (one alone in its class, say) are read and written in
+  place.
 - **Query tiles** (sliding-window layers over documents longer than the window): the row is
   cut into tiles of ``QUERY_TILE`` queries; each gathers only the keys it may see, from its
   first query's document start or the window's left edge up to its last query, and tiles
@@ -120,7 +121,9 @@ class Documents:
     ``source [count, width]`` are the flattened ``R*T`` positions each slot reads (past a
     document's end: whatever follows, which only the padding slots after it can see);
     ``target`` where each slot's output goes, ``R*T`` for padding slots (dropped). A class of
-    one document is its exact length and has its ``span``: read and written in place.
+    documents of one length lying back to back (one document alone, or a packed row's equal
+    documents, which ``packed`` lays side by side) has that width and its ``span``: it is read
+    and written in place.
     """
 
     source: Tensor
@@ -138,22 +141,21 @@ class Documents:
 
 def document_classes(begin: Tensor, length: Tensor, size: int, step: int) -> list[Documents]:
     """The documents starting at flattened positions ``begin`` with ``length`` tokens, of rows
-    ``size = R*T`` positions in all, grouped by their length rounded up to ``step``; a document
-    alone in its class keeps its own length, and needs no copy."""
-    width = (length + step - 1) // step * step
-    widths, counts = width.unique(return_counts=True)
-    width = torch.where(torch.isin(width, widths[counts == 1]), length, width)
+    ``size = R*T`` positions in all, grouped by their length rounded up to ``step``; a class
+    of back-to-back documents of one length keeps that length, and needs no copy."""
+    rounded = (length + step - 1) // step * step
     classes = []
-    for w in width.unique().tolist():
-        picked = width == w
-        slots = torch.arange(w, device=begin.device)
-        position = begin[picked, None] + slots  # [count, w]
-        inside = slots < length[picked, None]
+    for w in rounded.unique().tolist():
+        picked = rounded == w
+        first, own = begin[picked], length[picked]
+        exact = int(own.max())
         span = None
-        if len(position) == 1:  # alone in its class, so ``w`` is its own length
-            first = int(position[0, 0])
-            span = slice(first, first + w)
-        target = torch.where(inside, position, size)
+        if bool((own == exact).all()) and bool((first.diff() == exact).all()):
+            w, start = exact, int(first[0])
+            span = slice(start, start + len(first) * exact)
+        slots = torch.arange(w, device=begin.device)
+        position = first[:, None] + slots  # [count, w]
+        target = torch.where(slots < own[:, None], position, size)
         classes.append(Documents(position.clamp(max=size - 1), target, span))
     return classes
 
@@ -230,6 +232,13 @@ def _gather(flat: Tensor, index: Tensor) -> Tensor:
     return picked.view(*index.shape, *flat.shape[1:]).transpose(1, 2)
 
 
+def _read(flat: Tensor, docs: Documents) -> Tensor:
+    """A class's slots of ``flat [R*T, heads, d]``: ``[count, heads, width, d]``."""
+    if docs.span is None:
+        return _gather(flat, docs.source)
+    return flat[docs.span].view(docs.count, docs.width, *flat.shape[1:]).transpose(1, 2)
+
+
 def _by_documents(
     query: Tensor, key: Tensor, value: Tensor, classes: list[Documents], scale: float | None
 ) -> Tensor:
@@ -239,17 +248,15 @@ def _by_documents(
     flat = [_positions(x) for x in (query, key, value)]
     out = query.new_zeros(R * T + 1, H, D)  # the last row takes the padding slots' outputs
     for docs in classes:
-        if docs.span is None:
-            q, k, v = (_gather(x, docs.source) for x in flat)
-        else:
-            q, k, v = (x[docs.span].transpose(0, 1)[None] for x in flat)
+        q, k, v = (_read(x, docs) for x in flat)
         part = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=H != key.shape[1]
         )
+        slots = part.transpose(1, 2).reshape(-1, H, D)
         if docs.span is None:
-            out.index_copy_(0, docs.target.flatten(), part.transpose(1, 2).reshape(-1, H, D))
+            out.index_copy_(0, docs.target.flatten(), slots)
         else:
-            out[docs.span] = part[0].transpose(0, 1)
+            out[docs.span] = slots
     return out[: R * T].view(R, T, H, D)
 
 
