@@ -144,6 +144,7 @@ def greedy_decode(
     _check_budget(max_new_tokens)
     ids = _prompt(prompt_ids, target.device)
     cache = DynamicCache(config=target.config)
+    kv = with_cache(target, cache)
     out = GenerateOutput()
     position = 0
     began = _clock(ids.device)
@@ -151,9 +152,7 @@ def greedy_decode(
         out.tokens and out.tokens[-1] in stop_token_ids
     ):
         positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
-        logits = target(
-            input_ids=ids, position_ids=positions, logits_to_keep=1, **with_cache(target, cache)
-        ).logits
+        logits = target(input_ids=ids, position_ids=positions, logits_to_keep=1, **kv).logits
         position += ids.shape[1]
         out.tokens.append(int(logits[0, -1].argmax()))
         if len(out.tokens) == 1:
@@ -196,11 +195,12 @@ def speculative_generate(
     history = ids[0].tolist()
     start = ids.shape[1]  # position of the newest token, committed but not yet seen by the target
     cache = DynamicCache(config=target.config)
+    kv = with_cache(target, cache)
     began = _clock(device)
     prefill = target(
         input_ids=ids,
         position_ids=torch.arange(start, device=device)[None],
-        **with_cache(target, cache),
+        **kv,
         output_hidden_states=hidden,
         logits_to_keep=1,
     )
@@ -219,7 +219,7 @@ def speculative_generate(
         verify = target(
             input_ids=block,
             position_ids=torch.arange(start, start + block.shape[1], device=device)[None],
-            **with_cache(target, cache),
+            **kv,
             output_hidden_states=hidden,
         )
         greedy = verify.logits[0].argmax(dim=-1)

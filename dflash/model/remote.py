@@ -183,7 +183,8 @@ class DFlashDraftModel(PreTrainedModel):
         mask = self.mask_token_id if mask_token_id is None else mask_token_id
         stops = set(stop_token_ids or ())
         prompt, cache = input_ids.shape[1], DynamicCache()
-        out = target(input_ids, use_cache=True, output_hidden_states=True, **kv(target, cache))
+        past = kv(target, cache)
+        out = target(input_ids, use_cache=True, output_hidden_states=True, **past)
         context = self.features(out.hidden_states)
         ids = torch.cat([input_ids, pick(out.logits[:, -1:], temperature)], dim=1)
         stopped = int(ids[0, -1]) in stops
@@ -195,7 +196,7 @@ class DFlashDraftModel(PreTrainedModel):
             positions = torch.arange(start, start + self.block_size, device=ids.device)[None]
             out = target(
                 block, position_ids=positions, use_cache=True, output_hidden_states=True,
-                **kv(target, cache),
+                **past,
             )  # fmt: skip
             posterior = pick(out.logits, temperature)
             agree = int((block[0, 1:] == posterior[0, :-1]).long().cumprod(0).sum())
