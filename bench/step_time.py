@@ -1,8 +1,10 @@
 """Training-step time per token of each strategy's micro-batches, interleaved in one process.
 
-Needs the pipeline's token store, target and tokenizer (`make repro`). The samples (all of the
-store, or ``--samples`` random ones) are laid out by each strategy as its epoch 0 lays them
-out under ``params.yaml``. Each micro-batch runs the target's features, the drafter's loss and
+``--lengths pipeline`` (default) needs the pipeline's token store, target and tokenizer (`make
+repro`); ``--lengths seedlike`` builds the synthetic long-tailed workspace of
+``bench/train_throughput.py`` instead. The samples (all of the store, or ``--samples`` random
+ones of the pipeline's) are laid out by each strategy as its epoch 0 lays them out under
+``params.yaml``. Each micro-batch runs the target's features, the drafter's loss and
 its backward. The strategies' micro-batches are timed in turn, one of each at a time (the order
 flipping every time), for ``--passes`` passes, so the machine's drift hits all alike; each
 micro-batch counts its fastest pass. It prints milliseconds per 1,000 real tokens of each part,
@@ -13,17 +15,20 @@ and vary by 5-10% from run to run here; this isolates what a strategy's layout c
 
     python bench/step_time.py [--samples N] [--strategies sorted,bucketed,packed]
         [--passes 2] [--threads 1]
+    python bench/step_time.py --lengths seedlike [--samples 1200] [--max-len 1024]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from train_throughput import build_seedlike, shared_sets
 
 from dflash import paths
 from dflash.batching.io import Row
@@ -43,10 +48,12 @@ PARTS = ("features", "drafter", "backward")
 BASELINES = ("sorted", "bucketed")
 
 
-def micro_batches(strategy: str, ids: np.ndarray, sizes: np.ndarray) -> list[list[Row]]:
+def micro_batches(
+    strategy: str, ids: np.ndarray, sizes: np.ndarray, sets: list[str]
+) -> list[list[Row]]:
     """The micro-batches the ``strategy`` lays these samples out in at epoch 0, as plan rows
     ``(sample_id, offset, length)`` with the store's sample ids."""
-    config = load_config(ROOT / "params.yaml", [f"batching.strategy={strategy}"])
+    config = load_config(ROOT / "params.yaml", [*sets, f"batching.strategy={strategy}"])
     params = params_from_config(config, sizes)
     layout = STRATEGIES[strategy](sizes, params, np.random.default_rng([params.seed, 0]))
     out: list[list[Row]] = []
@@ -90,16 +97,35 @@ def interleaved(run, sets: dict[str, list[MicroBatch]], passes: int) -> dict[str
     return best
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=None, help="default: all of the store")
+    parser.add_argument("--lengths", choices=["pipeline", "seedlike"], default="pipeline")
+    parser.add_argument("--samples", type=int, default=None, help="default: all (seedlike 1200)")
+    parser.add_argument("--max-len", type=int, default=1024, help="seedlike: longest sample")
     parser.add_argument("--strategies", default="sorted,bucketed,packed")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="1: as each of 2 ranks has")
     args = parser.parse_args()
-    os.chdir(ROOT)  # the params' relative paths (bucket edges from `stats`)
+    args.epochs, args.world_size, args.set = 1, 1, []  # what ``shared_sets`` reads
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.lengths == "seedlike":
+            args.samples = args.samples or 1200
+            os.chdir(build_seedlike(Path(tmp), args))
+            args.samples = None  # the whole synthetic store
+        else:
+            os.chdir(ROOT)  # the params' relative paths (bucket edges from `stats`)
+        compare(args, shared_sets(args))
+
+
+def compare(args: argparse.Namespace, sets: list[str]) -> None:
+    """Time every strategy's micro-batches of the workspace in the working directory."""
     torch.set_num_threads(args.threads)
-    config = load_config("params.yaml")
+    config = load_config(ROOT / "params.yaml", sets)
     store = TokenStore(paths.TOKENIZED)
     tokenizer = load_tokenizer(paths.TOKENIZER)
     target = load_target(paths.TARGET, device="cpu")  # frozen, as training has it
@@ -121,20 +147,24 @@ def main() -> None:
     kwargs = dict(
         block_size=d.block_size, anchors_per_sequence=d.anchors_per_sequence, gamma=d.gamma
     )
-    sets = {
+    batches = {
         strategy: [
             build_micro_batch(store, mb, **kwargs, seed=0, epoch=0)
-            for mb in micro_batches(strategy, ids, sizes)
+            for mb in micro_batches(strategy, ids, sizes, sets)
         ]
         for strategy in args.strategies.split(",")
     }
     best = interleaved(
-        lambda mb: timed_step(target, drafter, layer_ids, mb, d.gamma), sets, args.passes
+        lambda mb: timed_step(target, drafter, layer_ids, mb, d.gamma), batches, args.passes
     )
     print(
-        f"{len(ids)} samples, {args.threads} thread(s), fastest of {args.passes} passes per "
-        "micro-batch, ms per 1,000 real tokens"
+        f"{args.lengths}: {len(ids)} samples, {args.threads} thread(s), fastest of "
+        f"{args.passes} passes per micro-batch, ms per 1,000 real tokens"
     )
+    print_table(batches, best)
+
+
+def print_table(batches: dict[str, list[MicroBatch]], best: dict[str, np.ndarray]) -> None:
     print(
         f"{'strategy':<10}{'micro-batches':>14}"
         + "".join(f"{p:>10}" for p in PARTS)
@@ -142,13 +172,13 @@ def main() -> None:
     )
     per_k = {
         name: best[name].sum(0) * 1e6 / sum(mb.real_tokens for mb in mbs)
-        for name, mbs in sets.items()
+        for name, mbs in batches.items()
     }
     baseline = min((per_k[b].sum() for b in BASELINES if b in per_k), default=None)
     for name, parts in per_k.items():
         ratio = f"{baseline / parts.sum():>12.3f}x" if baseline else ""
         cells = "".join(f"{v:>10.1f}" for v in parts)
-        print(f"{name:<10}{len(sets[name]):>14}{cells}{parts.sum():>8.1f}{ratio}")
+        print(f"{name:<10}{len(batches[name]):>14}{cells}{parts.sum():>8.1f}{ratio}")
 
 
 if __name__ == "__main__":
