@@ -112,18 +112,20 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    subset = None  # seedlike: the whole synthetic store of ``--samples``
     with tempfile.TemporaryDirectory() as tmp:
         if args.lengths == "seedlike":
-            args.samples = args.samples or 1200
+            args.samples = args.samples or 1200  # what ``build_seedlike`` writes
             os.chdir(build_seedlike(Path(tmp), args))
-            args.samples = None  # the whole synthetic store
         else:
+            subset = args.samples
             os.chdir(ROOT)  # the params' relative paths (bucket edges from `stats`)
-        compare(args, shared_sets(args))
+        compare(args, shared_sets(args), subset)
 
 
-def compare(args: argparse.Namespace, sets: list[str]) -> None:
-    """Time every strategy's micro-batches of the workspace in the working directory."""
+def compare(args: argparse.Namespace, sets: list[str], subset: int | None) -> None:
+    """Time every strategy's micro-batches of the workspace in the working directory, over
+    ``subset`` random samples (None: all)."""
     torch.set_num_threads(args.threads)
     config = load_config(ROOT / "params.yaml", sets)
     store = TokenStore(paths.TOKENIZED)
@@ -141,8 +143,8 @@ def compare(args: argparse.Namespace, sets: list[str]) -> None:
     )
     layer_ids = drafter.config.target_layer_ids
     ids = np.arange(len(store))
-    if args.samples is not None:
-        ids = np.sort(np.random.default_rng(0).choice(len(store), args.samples, replace=False))
+    if subset is not None:
+        ids = np.sort(np.random.default_rng(0).choice(len(store), subset, replace=False))
     sizes = np.array([len(store[int(i)][0]) for i in ids])
     kwargs = dict(
         block_size=d.block_size, anchors_per_sequence=d.anchors_per_sequence, gamma=d.gamma
