@@ -21,6 +21,11 @@ class BatchingError(UserError, ValueError):
     """The lengths or params cannot give a valid plan (subclasses in ``dflash.batching.errors``)."""
 
 
+class DirectoryInUse(UserError, FileExistsError):
+    """An output directory a user named holds what the writer must not replace; it is left as
+    it was. A ``FileExistsError`` too, for callers that catch the ``OSError`` family."""
+
+
 class UndeclaredParamError(RuntimeError):
     """A stage read a param that ``dvc.yaml`` does not declare for it: a bug in the code or the
     declaration, never the user's, so it is no ``UserError`` and keeps its traceback."""

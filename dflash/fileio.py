@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dflash.errors import OutputError
+from dflash.errors import DirectoryInUse, OutputError
 
 FAULTS = frozenset(
     {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS}
@@ -131,23 +131,56 @@ def sha256_file(path: str | Path) -> str:
     return sha.hexdigest()
 
 
-def require_only(directory: str | Path, patterns: list[str]) -> None:
+def require_only(
+    directory: str | Path, patterns: list[str], workspace: str | Path | None = None
+) -> None:
     """Refuse to replace ``directory`` whole if it holds files no pattern names.
 
     Guards an output directory a user names (``--out DIR``) before ``atomic_dir`` swaps it.
+    With ``workspace`` (a pipeline's directory) it also refuses what :func:`misnamed` finds.
+    Every refusal is a :class:`DirectoryInUse` naming the directory and why.
     """
     directory = Path(directory)
+    why = misnamed(directory, Path(workspace)) if workspace is not None else None
+    if why:
+        raise DirectoryInUse(f"{directory}: {why}; nothing was written")
     if not directory.exists():
         return
     if not directory.is_dir():
-        raise FileExistsError(f"{directory} exists and is not a directory")
+        raise DirectoryInUse(f"{directory} exists and is not a directory")
     known = [*patterns, *KEPT]
     strangers = [p.name for p in directory.iterdir() if not any(p.match(g) for g in known)]
     if strangers:
-        raise FileExistsError(
+        raise DirectoryInUse(
             f"{directory} holds {', '.join(sorted(strangers)[:3])}, which this writer did not "
             "make; it replaces the directory whole, so give it an empty or own directory"
         )
+
+
+REPOSITORY_MARKS = ("dvc.yaml", ".dvc", ".git")
+"""Entries that make a directory a repository or DVC workspace: never an output to replace."""
+PIPELINE_DIRS = ("models", "data", ".dvc", ".git")
+"""Directories of a workspace that its stages and tools own."""
+
+
+def misnamed(directory: Path, workspace: Path) -> str | None:
+    """Why ``directory`` must not be replaced by a copy of the pipeline's results, else None:
+    a symbolic link (its target would be emptied), a path with no name of its own (``.``), a
+    repository, the ``workspace`` or a directory above it, or one under its pipeline dirs."""
+    if directory.is_symlink():
+        return "is a symbolic link; name the directory itself, not a link to it"
+    if directory.name in ("", ".", ".."):
+        return "names no directory of its own; name a new one, e.g. ./published"
+    real, home = directory.resolve(), workspace.resolve()
+    if home.is_relative_to(real):
+        return f"is the workspace {home} or a directory above it"
+    inside = [name for name in PIPELINE_DIRS if real.is_relative_to(home / name)]
+    if inside:
+        return f"lies in the workspace's {inside[0]}/, which the pipeline owns"
+    marks = [name for name in REPOSITORY_MARKS if (real / name).exists()]
+    if marks:
+        return f"holds {marks[0]}: it is a repository or DVC workspace"
+    return None
 
 
 def remove_files(*files: str | Path) -> None:

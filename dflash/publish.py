@@ -15,12 +15,15 @@ import sys
 from pathlib import Path
 
 from dflash import paths
-from dflash.errors import UserError
+from dflash.errors import DirectoryInUse, UserError
 from dflash.eval.freshness import stale_drafter
 from dflash.eval.strata import scorecard_rows
-from dflash.fileio import atomic_dir
+from dflash.fileio import atomic_dir, require_only
 from dflash.fingerprint import path_digest
-from dflash.model.card import SCORECARD_NOTE, scorecard_section
+from dflash.model.card import SCORECARD_HEADING, SCORECARD_NOTE, scorecard_section
+
+EXPORT_FILES = (paths.DRAFTER_CONFIG, paths.DRAFTER_WEIGHTS, paths.DRAFTER_CODE, paths.DRAFTER_CARD)
+"""What an export holds, hence a previous publish (with any other file the export now holds)."""
 
 
 def scored_metrics(root: Path) -> dict:
@@ -41,9 +44,11 @@ def scored_metrics(root: Path) -> dict:
 
 
 def publish(root: Path, out: Path) -> None:
+    """Copy the scored export with its scorecard to ``out``, whole or not at all.
+
+    ``out`` must be absent, empty or a previous publish (:func:`require_publish_or_empty`)."""
     source = root / paths.DRAFTER
-    if out.resolve() == source.resolve() or out.resolve().is_relative_to(source.resolve()):
-        raise UserError(f"{out}: publish to a directory outside {paths.DRAFTER}")
+    require_publish_or_empty(out, root)
     metrics = scored_metrics(root)
     table = scorecard_rows(metrics)
     card = (source / paths.DRAFTER_CARD).read_text().replace(SCORECARD_NOTE, "")
@@ -52,9 +57,42 @@ def publish(root: Path, out: Path) -> None:
         (tmp / paths.DRAFTER_CARD).write_text(f"{card}\n{scorecard_section(table)}")
 
 
+def require_publish_or_empty(out: Path, root: Path) -> None:
+    """Refuse (``DirectoryInUse``) an ``out`` whose replacement could lose anything.
+
+    Beside the workspace's own directories and links (``fileio.misnamed``), a non-empty
+    directory is taken only when it holds the files of an export and nothing else, with a
+    card that carries a scorecard: what this command wrote there before. The ``.tmp`` and
+    ``.old`` directories the swap uses beside ``out`` may hold export files only.
+    """
+    source = root / paths.DRAFTER
+    names = set(EXPORT_FILES)
+    if source.is_dir():
+        names.update(p.name for p in source.iterdir())
+    require_only(out, sorted(names), workspace=root)
+    for scratch in (out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")):
+        require_only(scratch, sorted(names))
+    if out.is_dir() and any(out.iterdir()) and not _has_scorecard(out / paths.DRAFTER_CARD):
+        raise DirectoryInUse(
+            f"{out}: holds drafter files but no published card ({SCORECARD_HEADING} in "
+            f"{paths.DRAFTER_CARD}), so it is not a previous publish; nothing was written"
+        )
+
+
+def _has_scorecard(card: Path) -> bool:
+    try:
+        return SCORECARD_HEADING in card.read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dflash.publish", description=__doc__)
-    parser.add_argument("out", type=Path, help="directory to write (replaced whole)")
+    parser.add_argument(
+        "out",
+        type=Path,
+        help="directory to write: absent, empty, or a previous publish (replaced whole)",
+    )
     parser.add_argument("--root", type=Path, default=Path("."), help="the pipeline's directory")
     args = parser.parse_args(argv)
     try:

@@ -108,6 +108,10 @@ def _figures(training: dict[str, Any], scorecard: dict[str, Any] | None) -> str:
     return "## Figures\n\n" + "\n".join(lines) + "\n" + ("" if scorecard else SCORECARD_NOTE)
 
 
+SCORECARD_HEADING = "## Scorecard"
+"""Opens the scorecard; a card holding it is one ``dflash.publish`` wrote."""
+
+
 def scorecard_section(table: list[dict]) -> str:
     """τ per prompt set and stratum (``dflash.eval.strata.rows``) as a Markdown table."""
 
@@ -115,7 +119,7 @@ def scorecard_section(table: list[dict]) -> str:
         return "–" if value is None else _value(value)
 
     lines = [
-        "## Scorecard",
+        SCORECARD_HEADING,
         "",
         "τ per response (95% bootstrap interval), z-lab's count of τ, and n-gram prompt lookup's "
         "τ on the same prompts, by prompt set and stratum (`metrics/eval.json` of the run):",

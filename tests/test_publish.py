@@ -1,0 +1,114 @@
+"""``python -m dflash.publish DIR`` never destroys: a directory it did not write, the workspace,
+its pipeline directories and links are refused with exit 2, every file left as it was."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dflash import paths, publish
+from dflash.model.card import SCORECARD_NOTE
+
+EXPORT = {
+    paths.DRAFTER_CONFIG: "{}",
+    paths.DRAFTER_WEIGHTS: "weights",
+    paths.DRAFTER_CODE: "# code",
+    paths.DRAFTER_CARD: f"# drafter\n{SCORECARD_NOTE}",
+}
+
+
+@pytest.fixture
+def workspace(tmp_path, monkeypatch) -> Path:
+    """A workspace (repository, DVC, target, data) with a drafter export that scored."""
+    root = tmp_path / "work"
+    for name in (".git", ".dvc", "models/target", "models/tokenizer", "data/raw"):
+        (root / name).mkdir(parents=True)
+        (root / name / "keep").write_text(name)
+    (root / "dvc.yaml").write_text("stages: {}\n")
+    (root / paths.DRAFTER).mkdir(parents=True)
+    for name, text in EXPORT.items():
+        (root / paths.DRAFTER / name).write_text(text)
+    monkeypatch.setattr(publish, "scored_metrics", lambda root: {"n_prompts": 3})
+    monkeypatch.chdir(root)
+    return root
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
+
+
+def refused(capsys, out: str, words: str, root: Path) -> None:
+    before = snapshot(root.parent)
+    assert publish.main([out, "--root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert out in err and words in err and "Traceback" not in err
+    assert snapshot(root.parent) == before
+
+
+def test_publishes_into_an_absent_directory_then_over_its_own_publish(workspace):
+    out = workspace.parent / "published"
+    assert publish.main([str(out), "--root", str(workspace)]) == 0
+    first = snapshot(out)
+    assert "## Scorecard" in first[paths.DRAFTER_CARD].decode()
+    (workspace / paths.DRAFTER / paths.DRAFTER_WEIGHTS).write_text("new weights")
+    assert publish.main([str(out), "--root", str(workspace)]) == 0
+    assert (out / paths.DRAFTER_WEIGHTS).read_text() == "new weights"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["published", "work"]
+
+
+def test_a_directory_holding_another_file_is_kept(workspace, capsys):
+    out = workspace.parent / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    refused(capsys, str(out), "notes.txt", workspace)
+
+
+def test_a_copy_of_an_export_that_was_never_published_is_kept(workspace, capsys):
+    out = workspace.parent / "old_drafter"
+    out.mkdir()
+    for name, text in EXPORT.items():
+        (out / name).write_text(text)
+    refused(capsys, str(out), "not a previous publish", workspace)
+
+
+@pytest.mark.parametrize(
+    ("out", "words"),
+    [
+        ("models", "models/"),
+        ("models/target", "models/"),
+        ("data", "data/"),
+        (".", "names no directory"),
+        ("..", "names no directory"),
+        ("WORKSPACE", "is the workspace"),
+        ("PARENT", "is the workspace"),
+    ],
+)
+def test_the_workspace_and_its_pipeline_dirs_are_refused(workspace, capsys, out, words):
+    out = {"WORKSPACE": str(workspace), "PARENT": str(workspace.parent)}.get(out, out)
+    refused(capsys, out, words, workspace)
+
+
+def test_another_repository_is_refused(workspace, capsys):
+    other = workspace.parent / "other"
+    (other / ".git").mkdir(parents=True)
+    refused(capsys, str(other), "holds .git", workspace)
+
+
+def test_a_link_is_refused_and_its_target_kept(workspace, capsys):
+    target = workspace.parent / "target"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    os.symlink(target, workspace.parent / "link")
+    refused(capsys, str(workspace.parent / "link"), "symbolic link", workspace)
+
+
+def test_leftover_scratch_beside_the_output_is_not_emptied(workspace, capsys):
+    (workspace.parent / "published.old").mkdir()
+    (workspace.parent / "published.old" / "notes.txt").write_text("mine")
+    refused(capsys, str(workspace.parent / "published"), "notes.txt", workspace)
