@@ -5,34 +5,41 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from openai.types.chat import ChatCompletionMessage
 
-from dflash.data.serving import TRANSIENT, Endpoints, answer_message, failure_reason
+from dflash.data.serving import RETRIED, Endpoints, answer_message, failure_reason
 from dflash.errors import ConfigError
 from dflash.params import load_config
 
 URL = "http://127.0.0.1:9/v1"
 
 
-def message(**fields) -> ChatCompletionMessage:
-    return ChatCompletionMessage.model_validate({"role": "assistant", **fields})
+def message(**fields) -> dict:
+    return {"role": "assistant", **fields}
+
+
+def whole(text: str) -> tuple[str, bool]:
+    return text, False
+
+
+def stored(fields: dict) -> dict:
+    return answer_message(fields, whole)[0]
 
 
 def test_reasoning_is_stored_apart_from_the_content():
     parsed = message(content="4", reasoning_content="2 + 2")
-    assert answer_message(parsed) == {
+    assert stored(parsed) == {
         "role": "assistant",
         "content": "4",
         "reasoning_content": "2 + 2",
     }
-    assert answer_message(message(content="4", reasoning="2 + 2"))["reasoning_content"] == "2 + 2"
+    assert stored(message(content="4", reasoning="2 + 2"))["reasoning_content"] == "2 + 2"
     inline = message(content="<think>\n2 + 2\n</think>\n\n4")
-    assert answer_message(inline) == {
+    assert stored(inline) == {
         "role": "assistant",
         "content": "4",
         "reasoning_content": "2 + 2",
     }
-    assert answer_message(message(content=None)) == {"role": "assistant", "content": ""}
+    assert stored(message(content=None)) == {"role": "assistant", "content": ""}
 
 
 def status_error(cls, code: int):
@@ -50,7 +57,7 @@ def test_failures_are_named_and_only_server_trouble_is_retried():
         failure_reason(status_error(openai.BadRequestError, 400)): False,
     }
     assert list(reasons) == ["unreachable", "timeout", "server_error", "rate_limited", "http_400"]
-    assert all((reason in TRANSIENT) == retried for reason, retried in reasons.items())
+    assert all((reason in RETRIED) == retried for reason, retried in reasons.items())
 
 
 def test_the_least_busy_endpoint_is_picked_and_a_failed_one_avoided():
