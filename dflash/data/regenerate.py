@@ -338,6 +338,7 @@ def regenerate(config: Config) -> dict:
     totals = dict.fromkeys(COUNTS, 0)
     failed: Counter[str] = Counter()
     served_by: Counter[str] = Counter()
+    failed_requests: Counter[str] = Counter()
     lost: list[int] = []
     fresh = {"shards": 0, "conversations": 0, "tokens_generated": 0, "seconds": 0.0}
     output: list[dict] = []
@@ -359,6 +360,7 @@ def regenerate(config: Config) -> dict:
             fresh["tokens_generated"] += stats["tokens_generated"]
             fresh["seconds"] += stats["seconds"]
             served_by.update(stats.get("endpoint_turns", {}))
+            failed_requests.update(stats.get("failed_requests", {}))
     progress.close()
     if failed.total() > allowed:
         raise regeneration_lost(lost, failed, len(rows), config.regenerate.max_failed_fraction)
@@ -381,6 +383,7 @@ def regenerate(config: Config) -> dict:
         "fingerprint": fp,
         "engine": engine,
         "endpoint_turns": dict(sorted(served_by.items())),
+        "failed_requests": dict(sorted(failed_requests.items())),
         "seconds": seconds,
         "tokens_per_s": fresh["tokens_generated"] / seconds if seconds else None,
         "conversations_per_s": fresh["conversations"] / seconds if seconds else None,
@@ -393,10 +396,10 @@ def regeneration_lost(shards: list[int], failed: Counter, total: int, fraction: 
     from dflash.data.serving import EndpointError
 
     return EndpointError(
-        f"regenerate: {failed.total()} of {total} conversations failed on the servers "
+        f"regenerate: {failed.total()} conversations (of {total}) failed on the servers "
         f"({dict(sorted(failed.items()))}), more than regenerate.max_failed_fraction = "
-        f"{fraction}; shards {shards} were not committed and the previous "
-        f"{paths.REGENERATED} is left in place: rerun to retry them"
+        f"{fraction} allows (the run stops there); shards {shards} were not committed and "
+        f"the previous {paths.REGENERATED} is left in place: rerun to retry them"
     )
 
 
