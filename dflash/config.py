@@ -98,9 +98,13 @@ class RegenerateConfig(Section):
     concurrency: Int = Field(32, ge=1)
     """Conversations in flight at once over all endpoints (openai): a run knob."""
     timeout_s: Float = Field(600.0, gt=0.0)
-    """Seconds one request may take before it is retried (openai): a run knob."""
+    """Seconds one request may take in all, however slowly it answers, before it is retried
+    (openai): a run knob."""
     max_retries: Int = Field(3, ge=0)
     """Retries of a request that failed transiently, on the least busy endpoint: a run knob."""
+    max_failed_fraction: Float = Field(0.01, ge=0.0, le=1.0)
+    """Share of conversations that may fail on the servers (left out) before the run fails,
+    leaving the previous output in place: a run knob."""
 
     @model_validator(mode="after")
     def _endpoints(self) -> RegenerateConfig:

@@ -9,15 +9,20 @@ conversation's ``tools`` and ``data.chat_template_kwargs`` (e.g. ``enable_thinki
 answer is stored as the text the target generated, reasoning included, as the assistant
 ``content``: a thinking target's ``<think>...</think>`` stays inline (those markers are not
 special tokens), and the template decides how to show it (Qwen3's splits it into its
-reasoning block itself). Work is written in shards, each committed by a small JSON
-file carrying a fingerprint of everything that decides its content, so an interrupted run
-resumes at the first shard missing and never reuses a shard made with other params, target
-or data.
+reasoning block itself). An answer ends before the first string the tokenizer reads as a
+control token (``<|im_end|>``, ``<|im_start|>``, ...), however it was produced: past it, a
+fake turn would be learned as the target's. Work is written in shards, each committed by a
+small JSON file carrying a fingerprint of everything that decides its content, so an
+interrupted run resumes at the first shard missing and never reuses a shard made with other
+params, target or data. A shard that lost a conversation to the servers is never
+committed, and a run that lost more than ``regenerate.max_failed_fraction`` of them fails
+with the previous output left in place.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from collections import Counter
@@ -44,7 +49,14 @@ from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
 
-COUNTS = ("turns", "outside_window", "tokens_generated", "empty_responses", "unterminated")
+COUNTS = (
+    "turns",
+    "outside_window",
+    "tokens_generated",
+    "empty_responses",
+    "unterminated",
+    "cut_at_stop_string",
+)
 """Per-shard counts, summed into the report whether a shard was made now or resumed."""
 
 Backend = Callable[[list[dict], int, tqdm], tuple[list[dict], dict]]
@@ -106,6 +118,24 @@ def generate(
     return answers
 
 
+def stop_cutter(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], tuple[str, bool]]:
+    """A function giving a text up to the first of the tokenizer's special-token strings
+    (end of turn, eos, pad, mask, any added special token), and whether it held one.
+
+    The tokenize stage reads those strings in an answer as control tokens: a written
+    ``<|im_end|>`` would end the turn there and what follows would be learned as new turns.
+    """
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    strings = sorted(special | set(tokenizer.all_special_tokens), key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
+
+    def cut(text: str) -> tuple[str, bool]:
+        found = pattern.search(text) if pattern else None
+        return (text, False) if found is None else (text[: found.start()], True)
+
+    return cut
+
+
 def answer_turns(messages: list[dict]) -> list[int]:
     """Indices of the assistant turns to regenerate: those that call no tool.
 
@@ -137,6 +167,7 @@ def regenerate_shard(
     render = template_renderer(tokenizer, template_kwargs)
     budget = max_seq_len - config.max_new_tokens
     stop_ids = stop_token_ids(tokenizer)
+    cut = stop_cutter(tokenizer)
     generation = generation_config(config, stop_ids, tokenizer.pad_token_id)
     rows = [{**row, "messages": [dict(m) for m in row["messages"]]} for row in rows]
     turns = [answer_turns(r["messages"]) for r in rows]
@@ -168,12 +199,15 @@ def regenerate_shard(
             )
             for k, answer in zip(batch, answers, strict=True):
                 i, j = slots[k]
-                content = tokenizer.decode(answer, skip_special_tokens=True)
+                ended = bool(answer) and answer[-1] in stop_ids
+                text = tokenizer.decode(answer[:-1] if ended else answer, skip_special_tokens=False)
+                content, stopped = cut(text)
                 rows[i]["messages"][j] = {"role": "assistant", "content": content}
                 stats["turns"] += 1
                 stats["tokens_generated"] += len(answer)
                 stats["empty_responses"] += not content.strip()
-                stats["unterminated"] += not answer or answer[-1] not in stop_ids
+                stats["cut_at_stop_string"] += stopped
+                stats["unterminated"] += not ended and not stopped
             progress.update(len(batch))
     return rows, stats
 
@@ -229,6 +263,7 @@ def served(
 
     identity = serving.served_model(list(config.regenerate.endpoints), config.regenerate.model)
     render = template_renderer(tokenizer, chat_template_kwargs)
+    cut = stop_cutter(tokenizer)
 
     def prompt_length(messages: list[dict], tools: list | None) -> int:
         text = render(messages, add_generation_prompt=True, tools=tools)
@@ -239,12 +274,14 @@ def served(
             rows,
             [answer_turns(row["messages"]) for row in rows],
             prompt_length,
+            cut,
             config.regenerate,
             serving.Request(
                 identity["model"],
                 config.regenerate.max_new_tokens,
                 config.regenerate.temperature,
                 config.regenerate.max_retries,
+                config.regenerate.timeout_s,
                 chat_template_kwargs,
             ),
             config.data.max_seq_len,
@@ -262,7 +299,9 @@ def shard_of(
     """Shard ``index``: read back if committed under ``fp``, else regenerated and committed.
 
     Returns its conversations, its stats and whether it was made now. A shard that lost a
-    conversation to a server failure is not committed: a rerun makes it again.
+    conversation to a server failure is not committed: a rerun makes it again. Shards of
+    another fingerprint are removed before the first commit, so a run that commits nothing
+    leaves them.
     """
     data, commit = shard_paths(index)
     stats = completed_shard(index, fp)
@@ -273,7 +312,8 @@ def shard_of(
     shard, stats = answer(rows, index, progress)
     stats |= {"fingerprint": fp, "conversations": len(shard)}
     stats["seconds"] = time.perf_counter() - began
-    if not stats.get("lost"):
+    if not stats.get("failed"):
+        remove_stale_shards(fp)
         write_conversations(shard, data)
         write_json_atomic(commit, stats)
     return shard, stats, True
@@ -294,10 +334,11 @@ def regenerate(config: Config) -> dict:
         answer, engine = in_process(config, tokenizer)
     rows = read_conversations(paths.CONVERSATIONS)
     fp = fingerprint(config, engine)
-    remove_stale_shards(fp)
+    allowed = config.regenerate.max_failed_fraction * len(rows)
     totals = dict.fromkeys(COUNTS, 0)
     failed: Counter[str] = Counter()
     served_by: Counter[str] = Counter()
+    failed_requests: Counter[str] = Counter()
     lost: list[int] = []
     fresh = {"shards": 0, "conversations": 0, "tokens_generated": 0, "seconds": 0.0}
     output: list[dict] = []
@@ -309,9 +350,9 @@ def regenerate(config: Config) -> dict:
         output.extend(shard)
         totals = {key: totals[key] + stats[key] for key in COUNTS}
         failed.update(stats.get("failed", {}))
-        if stats.get("lost"):
+        if stats.get("failed"):
             lost.append(index)
-            if not shard:
+            if failed.total() > allowed:
                 break
         if made:
             fresh["shards"] += 1
@@ -319,9 +360,11 @@ def regenerate(config: Config) -> dict:
             fresh["tokens_generated"] += stats["tokens_generated"]
             fresh["seconds"] += stats["seconds"]
             served_by.update(stats.get("endpoint_turns", {}))
+            failed_requests.update(stats.get("failed_requests", {}))
     progress.close()
-    if lost:
-        raise regeneration_lost(lost, failed)
+    if failed.total() > allowed:
+        raise regeneration_lost(lost, failed, len(rows), config.regenerate.max_failed_fraction)
+    paths.REGENERATE_REPORT.unlink(missing_ok=True)
     write_conversations(output, paths.REGENERATED_CONVERSATIONS)
     seconds = fresh["seconds"]
     return {
@@ -332,26 +375,31 @@ def regenerate(config: Config) -> dict:
         "tokens_generated": totals["tokens_generated"],
         "empty_responses": totals["empty_responses"],
         "unterminated_responses": totals["unterminated"],
+        "cut_at_stop_string": totals["cut_at_stop_string"],
         "shards": len(starts),
         "shards_made": fresh["shards"],
         "failed_conversations": dict(sorted(failed.items())),
+        "shards_not_committed": lost,
         "fingerprint": fp,
         "engine": engine,
         "endpoint_turns": dict(sorted(served_by.items())),
+        "failed_requests": dict(sorted(failed_requests.items())),
         "seconds": seconds,
         "tokens_per_s": fresh["tokens_generated"] / seconds if seconds else None,
         "conversations_per_s": fresh["conversations"] / seconds if seconds else None,
     }
 
 
-def regeneration_lost(shards: list[int], failed: Counter) -> Exception:
-    """The error a run ends with when servers failed it: the user restarts them and reruns."""
+def regeneration_lost(shards: list[int], failed: Counter, total: int, fraction: float):
+    """The error a run ends with when servers failed too many conversations: the user fixes
+    them and reruns, which redoes only the shards not committed."""
     from dflash.data.serving import EndpointError
 
     return EndpointError(
-        f"regenerate: conversations failed on the servers ({dict(sorted(failed.items()))}), "
-        f"so shards {shards} were not committed (a shard that lost every conversation stops "
-        "the run); the others are: rerun to resume"
+        f"regenerate: {failed.total()} conversations (of {total}) failed on the servers "
+        f"({dict(sorted(failed.items()))}), more than regenerate.max_failed_fraction = "
+        f"{fraction} allows (the run stops there); shards {shards} were not committed and "
+        f"the previous {paths.REGENERATED} is left in place: rerun to retry them"
     )
 
 
@@ -359,6 +407,7 @@ def copy_conversations() -> dict:
     """``data.regenerate: false``: the training split passes through unchanged.
 
     A byte copy in the file system's own chunks: memory does not grow with the corpus."""
+    paths.REGENERATE_REPORT.unlink(missing_ok=True)
     with atomic_path(paths.REGENERATED_CONVERSATIONS) as tmp:
         shutil.copyfile(paths.CONVERSATIONS, tmp)
     return {"skipped": True, "conversations": count_conversations(paths.CONVERSATIONS)}
@@ -367,9 +416,8 @@ def copy_conversations() -> dict:
 def run(config: Config) -> None:
     """Write ``paths.REGENERATED_CONVERSATIONS`` and ``data/regenerated/report.json``."""
     set_cpu_threads()
-    # The report is written last and marks a finished run: a run that dies leaves none,
-    # never an old one beside new conversations.
-    paths.REGENERATE_REPORT.unlink(missing_ok=True)
+    # The report is written last and marks a finished run: it is removed just before the
+    # conversations are replaced, so a run that dies leaves none beside new conversations.
     report = regenerate(config) if config.data.regenerate else copy_conversations()
     write_json_atomic(paths.REGENERATE_REPORT, report)
     if report["skipped"]:

@@ -5,16 +5,16 @@ serve``), which batch continuously and run on many devices. This module sends ea
 their OpenAI-compatible API through the official async client: the conversation so far
 (earlier assistant turns already the target's own) and the chat template options, with the
 same length cap and temperature as in process. Conversations run concurrently, each on the
-least busy endpoint. A transient failure (connection, timeout, 5xx, 429) is retried with
-backoff, on another endpoint when there is one; a turn that still fails leaves its
-conversation out, counted by reason. The caller commits no shard that lost a conversation
-to a transient failure, so a rerun redoes it; a refusal (any other 4xx) would come back the
-same, so it is committed as counted.
+least busy endpoint. A transient failure (connection, deadline, 5xx, 429) or a malformed
+answer is retried with backoff, on another endpoint when there is one; a refusal (any other
+4xx) is not, as it would come back the same. A turn that still fails leaves its conversation
+out, counted by reason, and the caller commits no shard that lost one: a rerun redoes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections import Counter
 from collections.abc import Callable
@@ -28,7 +28,12 @@ from dflash.errors import ConfigError
 from dflash.fingerprint import digest
 
 TRANSIENT = ("unreachable", "timeout", "server_error", "rate_limited")
-"""Failure reasons worth a retry: the same request may well succeed later or elsewhere."""
+"""Failures of the connection or the server: the same request may well succeed later."""
+
+MALFORMED = ("bad_json", "no_choices", "no_message", "bad_content", "bad_usage")
+"""Why a 200 answer is no usable chat completion: a glitch of the server, retried as well."""
+
+RETRIED = TRANSIENT + MALFORMED
 
 HEALTH_TIMEOUT_S = 10.0
 """How long the start-up health check waits for each endpoint's ``/models`` answer."""
@@ -44,6 +49,14 @@ class EndpointError(ConfigError):
     """An endpoint is unreachable or serves another model; a run lost turns to failures."""
 
 
+class Malformed(Exception):
+    """A 200 answer that is no chat completion; ``reason`` (one of ``MALFORMED``) names why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class Request:
     """What every turn asks the server, fixed for the run."""
@@ -52,6 +65,8 @@ class Request:
     max_new_tokens: int
     temperature: float
     max_retries: int
+    timeout_s: float
+    """Deadline of one request as a whole: a server trickling bytes cannot hold it longer."""
     chat_template_kwargs: dict
 
 
@@ -74,6 +89,7 @@ class Endpoints:
     def __init__(self, urls: list[str], timeout_s: float) -> None:
         self.all = [Endpoint(url, client(url, timeout_s)) for url in urls]
         self.turns: Counter[str] = Counter()
+        self.failed_requests: Counter[str] = Counter()
         self._next = 0
 
     def pick(self, avoid: Endpoint | None = None) -> Endpoint:
@@ -101,12 +117,61 @@ def failure_reason(err: openai.APIError) -> str:
     return type(err).__name__
 
 
+@dataclass(frozen=True)
+class Completion:
+    """The first choice of a chat completion, checked."""
+
+    message: dict
+    """``content``, ``reasoning_content`` and ``reasoning``: each a string or None."""
+    completion_tokens: int
+    finish_reason: str | None
+
+
+def parse_completion(body: bytes) -> Completion:
+    """The first choice of a chat completion's JSON ``body``; raises ``Malformed`` naming
+    the first thing missing or of the wrong type."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise Malformed("bad_json") from None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise Malformed("no_choices")
+    choice = choices[0]
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise Malformed("no_message")
+    text = {key: message.get(key) for key in ("content", "reasoning_content", "reasoning")}
+    if any(value is not None and not isinstance(value, str) for value in text.values()):
+        raise Malformed("bad_content")
+    usage = data.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if type(tokens) is not int or tokens < 0:
+        raise Malformed("bad_usage")
+    return Completion(text, tokens, choice.get("finish_reason"))
+
+
+async def ask(endpoint: Endpoint, messages: list[dict], request: Request, sampling: dict):
+    """One request to ``endpoint``, its whole exchange bounded by ``request.timeout_s``."""
+    extra = {"chat_template_kwargs": request.chat_template_kwargs}
+    async with asyncio.timeout(request.timeout_s):
+        raw = await endpoint.client.chat.completions.with_raw_response.create(
+            model=request.model,
+            messages=messages,
+            max_tokens=request.max_new_tokens,
+            temperature=request.temperature,
+            extra_body=extra if request.chat_template_kwargs else None,
+            **sampling,
+        )
+    return parse_completion(raw.content)
+
+
 async def complete(
     endpoints: Endpoints, messages: list[dict], request: Request, seed: int, tools: list | None
-):
-    """The chat completion answering ``messages`` (with the conversation's ``tools``, as the
-    template shows them in the prompt), or None and why it failed at last."""
-    extra = {"chat_template_kwargs": request.chat_template_kwargs}
+) -> tuple[Completion | None, str]:
+    """The completion answering ``messages`` (with the conversation's ``tools``, as the
+    template shows them in the prompt), or None and why it failed at last. Every failed
+    request is counted by reason in ``endpoints.failed_requests``."""
     sampling = {"seed": seed} if request.temperature > 0 else {}
     if tools:
         sampling["tools"] = tools
@@ -117,44 +182,42 @@ async def complete(
         endpoint = endpoints.pick(avoid=endpoint)
         endpoint.busy += 1
         try:
-            response = await endpoint.client.chat.completions.create(
-                model=request.model,
-                messages=messages,
-                max_tokens=request.max_new_tokens,
-                temperature=request.temperature,
-                extra_body=extra if request.chat_template_kwargs else None,
-                **sampling,
-            )
+            completion = await ask(endpoint, messages, request, sampling)
         except openai.APIError as err:
             reason = failure_reason(err)
-            if reason not in TRANSIENT:
-                return None, reason
-            continue
+        except TimeoutError:
+            reason = "timeout"
+        except Malformed as err:
+            reason = err.reason
+        else:
+            endpoints.turns[endpoint.url] += 1
+            return completion, ""
         finally:
             endpoint.busy -= 1
-        if not response.choices:
-            return None, "no_choice"
-        endpoints.turns[endpoint.url] += 1
-        return response, ""
+        endpoints.failed_requests[reason] += 1
+        if reason not in RETRIED:
+            break
     return None, reason
 
 
-def answer_message(message) -> dict:
-    """The assistant message as stored: content, and the reasoning apart when there is some.
+def answer_message(message: dict, cut: Callable[[str], tuple[str, bool]]) -> tuple[dict, bool]:
+    """The assistant message as stored: content, and the reasoning apart when there is some;
+    and whether ``cut`` ended it at a stop string (in the reasoning, which comes first, the
+    content is dropped).
 
     Reasoning parsers (vLLM, SGLang) return it as ``reasoning_content`` (newer vLLM:
     ``reasoning``); a server without one leaves ``<think>...</think>`` inline, which is split
     off here as a Qwen3-style template would split it.
     """
-    content = message.content or ""
-    reasoning = getattr(message, "reasoning_content", None) or getattr(message, "reasoning", None)
+    reasoning, stopped = cut(message.get("reasoning_content") or message.get("reasoning") or "")
+    content, cut_content = ("", False) if stopped else cut(message.get("content") or "")
     if not reasoning and content.lstrip().startswith("<think>") and "</think>" in content:
         inside, _, content = content.lstrip().removeprefix("<think>").partition("</think>")
         reasoning, content = inside.strip("\n"), content.lstrip("\n")
     answer = {"role": "assistant", "content": content}
     if reasoning:
         answer["reasoning_content"] = reasoning
-    return answer
+    return answer, stopped or cut_content
 
 
 @dataclass(frozen=True)
@@ -166,6 +229,8 @@ class Turns:
     prompt_length: Callable[[list[dict], list | None], int]
     """Tokens the target sees before answering ``messages`` with ``tools``, as in process."""
     max_seq_len: int
+    cut: Callable[[str], tuple[str, bool]]
+    """An answer up to its first stop string, and whether it held one, as in process."""
     seed: Callable[[int, int], int]
     """The sampling seed of (row, turn): the same whichever endpoint answers it."""
     progress: object
@@ -181,18 +246,18 @@ async def regenerate_row(turns: Turns, k: int, row: dict, answer_at: list[int]):
             counts["outside_window"] += len(answer_at) - r
             turns.progress.update(len(answer_at) - r)
             break
-        response, reason = await complete(
+        completion, reason = await complete(
             turns.endpoints, messages[:j], turns.request, turns.seed(k, j), tools
         )
-        if response is None:
+        if completion is None:
             turns.progress.update(len(answer_at) - r)
             return None, counts, reason
-        choice = response.choices[0]
-        messages[j] = answer_message(choice.message)
+        messages[j], cut = answer_message(completion.message, turns.cut)
         counts["turns"] += 1
-        counts["tokens_generated"] += response.usage.completion_tokens if response.usage else 0
+        counts["tokens_generated"] += completion.completion_tokens
         counts["empty_responses"] += not messages[j]["content"].strip()
-        counts["unterminated"] += choice.finish_reason == "length"
+        counts["cut_at_stop_string"] += cut
+        counts["unterminated"] += not cut and completion.finish_reason == "length"
         turns.progress.update(1)
     return {**row, "messages": messages}, counts, ""
 
@@ -200,11 +265,8 @@ async def regenerate_row(turns: Turns, k: int, row: dict, answer_at: list[int]):
 async def regenerate_rows(
     turns: Turns, rows: list[dict], answer_at: list[list[int]], concurrency: int
 ) -> tuple[list[dict], dict]:
-    """Regenerate ``rows`` with at most ``concurrency`` in flight; failed ones are left out.
-
-    The counts hold ``failed`` (conversations left out, by reason) and ``lost`` (how many of
-    them failed transiently: the shard must not be committed).
-    """
+    """Regenerate ``rows`` with at most ``concurrency`` in flight; failed ones are left out,
+    counted by reason under ``failed``."""
     limit = asyncio.Semaphore(concurrency)
 
     async def one(k: int) -> tuple:
@@ -222,14 +284,18 @@ async def regenerate_rows(
         else:
             kept.append(row)
             counts.update(row_counts)
-    lost = sum(n for reason, n in failed.items() if reason in TRANSIENT)
-    return kept, {**counts, "failed": dict(sorted(failed.items())), "lost": lost}
+    return kept, {**counts, "failed": dict(sorted(failed.items()))}
 
 
 async def listing(url: str) -> list[dict]:
-    async with client(url, HEALTH_TIMEOUT_S) as answer:
-        page = await answer.models.list()
-    return [entry.model_dump() for entry in page.data]
+    """The entries of ``url``'s ``/models``, within ``HEALTH_TIMEOUT_S`` in all."""
+    async with client(url, HEALTH_TIMEOUT_S) as answer, asyncio.timeout(HEALTH_TIMEOUT_S):
+        raw = await answer.models.with_raw_response.list()
+    body = json.loads(raw.content)
+    entries = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"GET /models lists no entries: {raw.text[:200]!r}")
+    return entries
 
 
 def served_model(urls: list[str], model: str | None) -> dict:
@@ -247,7 +313,12 @@ def served_model(urls: list[str], model: str | None) -> dict:
     for i, (url, answer) in enumerate(zip(urls, asyncio.run(all_listings()), strict=True)):
         where = f"regenerate.endpoints[{i}] = {url}"
         if isinstance(answer, BaseException):
-            raise EndpointError(f"{where}: no answer to GET /models ({answer})") from None
+            raise EndpointError(
+                f"{where}: no answer to GET /models ({answer or type(answer).__name__})"
+            ) from None
+        nameless = [entry for entry in answer if not isinstance(entry.get("id"), str)]
+        if nameless:
+            raise EndpointError(f"{where}: GET /models lists a model without an id: {nameless[0]}")
         served = {entry["id"]: entry for entry in answer}
         name = model if model is not None else next(iter(served), None)
         if model is None and len(served) != 1:
@@ -269,6 +340,7 @@ def regenerate_shard(
     rows: list[dict],
     answer_at: list[list[int]],
     prompt_length: Callable[[list[dict], list | None], int],
+    cut: Callable[[str], tuple[str, bool]],
     config: RegenerateConfig,
     request: Request,
     max_seq_len: int,
@@ -283,6 +355,10 @@ def regenerate_shard(
         return int(digest([config.seed, index, k, j])[:8], 16)
 
     endpoints = Endpoints(list(config.endpoints), config.timeout_s)
-    turns = Turns(endpoints, request, prompt_length, max_seq_len, seed, progress)
+    turns = Turns(endpoints, request, prompt_length, max_seq_len, cut, seed, progress)
     kept, counts = asyncio.run(regenerate_rows(turns, rows, answer_at, config.concurrency))
-    return kept, {**counts, "endpoint_turns": dict(endpoints.turns)}
+    return kept, {
+        **counts,
+        "endpoint_turns": dict(endpoints.turns),
+        "failed_requests": dict(sorted(endpoints.failed_requests.items())),
+    }
