@@ -104,3 +104,69 @@ def test_drafter_ignores_context_at_and_after_the_anchor():
     earlier = features.clone()
     earlier[:, 4] += 1.0
     assert not torch.allclose(run(earlier), base)
+
+
+def _pairs_of(block_mask, q_len: int, kv_len: int) -> torch.Tensor:
+    """A ``BlockMask`` applied pair by pair ``[B, Q, KV]``: full tiles all True, partial tiles
+    through its ``mask_mod``, the rest False."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    tile_q, tile_kv = block_mask.BLOCK_SIZE
+
+    def tiles(num, indices):
+        n_q, n_kv = indices.shape[-2], -(-kv_len // tile_kv)
+        dense = torch.zeros(indices.shape[0], n_q, n_kv + indices.shape[-1], dtype=torch.bool)
+        listed = torch.arange(indices.shape[-1]) < num[:, 0, :, None]
+        at = torch.where(listed, indices[:, 0].long(), n_kv)
+        dense.scatter_(2, at, True)
+        dense = dense[..., :n_kv].repeat_interleave(tile_q, 1).repeat_interleave(tile_kv, 2)
+        return dense[:, :q_len, :kv_len]
+
+    full = tiles(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    partial = tiles(block_mask.kv_num_blocks, block_mask.kv_indices)
+    B = block_mask.kv_num_blocks.shape[0]
+    pairs = create_mask(block_mask.mask_mod, B, None, q_len, kv_len, device="cpu")[:, 0]
+    assert not (full & partial).any()
+    return full | (partial & pairs)
+
+
+def _layouts(gen: torch.Generator):
+    """Rows of ``T`` positions: padded rows, packed rows of several documents, ragged ends."""
+    for T, bs, n_anchors in ((300, 16, 24), (257, 16, 9), (131, 7, 40), (400, 3, 50)):
+        lengths = [
+            [T - 37],  # one padded document
+            [40, 1, 90, T - 131],  # packed, one document of a single token
+            [T],  # one document filling the row
+        ]
+        docs = torch.full((len(lengths), T), -1)
+        for r, row in enumerate(lengths):
+            docs[r, : sum(row)] = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
+        anchors = torch.randint(0, T - 1, (len(lengths), n_anchors), generator=gen)
+        anchors = anchors.sort(dim=1).values
+        anchors[0, -5:] = -1  # padded anchor slots
+        anchors[0, 0] = T - 10  # an anchor on padding: it sees only its own block
+        yield T, bs, anchors, docs
+
+
+def test_flex_mask_from_tiles_matches_the_dense_rule_pair_by_pair():
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from dflash.model.attention import flex_block_mask
+
+    gen = torch.Generator().manual_seed(0)
+    for T, bs, anchors, docs in _layouts(gen):
+        q_len, kv_len = anchors.shape[1] * bs, T + anchors.shape[1] * bs
+        made = _pairs_of(flex_block_mask(anchors, docs, bs, T), q_len, kv_len)
+        assert torch.equal(made, build_block_mask(anchors, docs, bs, T)), (T, bs)
+
+
+def test_flex_mask_from_tiles_skips_and_fills_whole_tiles():
+    """Tiles nobody sees are left out and wholly seen ones need no ``mask_mod``: one document of
+    1024 tokens, 8 anchors a query tile, all at its end."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from dflash.model.attention import flex_block_mask
+
+    T, bs = 1024, 16
+    anchors = torch.arange(1000, 1016)[None]
+    mask = flex_block_mask(anchors, torch.zeros(1, T, dtype=torch.long), bs, T)
+    assert mask.full_kv_num_blocks.flatten().tolist() == [7, 7]  # keys 0..895
+    assert mask.kv_num_blocks.flatten().tolist() == [2, 2]  # keys 896.., and its own blocks
