@@ -48,7 +48,11 @@ def init_distributed(timeout_s: float = 600.0) -> Dist:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        # A device_id binds NCCL's communicator to this rank's GPU at once (no guessing later).
+        bound = device if device.type == "cuda" else None
+        dist.init_process_group(
+            backend=backend, timeout=timedelta(seconds=timeout_s), device_id=bound
+        )
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 

@@ -68,23 +68,27 @@ def shard_target(target: nn.Module, device_mesh: DeviceMesh) -> None:
     fully_shard(target.base_model, mesh=device_mesh)
 
 
-def shard_drafter(drafter: nn.Module, device_mesh: DeviceMesh, device: torch.device) -> None:
-    """Shard the drafter per layer, in place; on CUDA it computes in bf16 and reduces in fp32
-    (the fp32 shards stay the master weights the optimizer updates)."""
-    policy = MixedPrecisionPolicy()
-    if device.type == "cuda":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+DRAFTER_PRECISION = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+"""FSDP keeps DDP's numbers: fp32 parameters gathered as they are, the step's autocast picks
+bf16 for the matmuls on CUDA, and gradients are reduced in fp32. Gathering in bf16 instead
+would also put the residual stream and the norms' weights in bf16, which DDP never does."""
+
+
+def shard_drafter(drafter: nn.Module, device_mesh: DeviceMesh) -> None:
+    """Shard the drafter per layer, in place, in the precision DDP trains it in."""
     for layer in drafter.layers:
-        fully_shard(layer, mesh=device_mesh, mp_policy=policy)
-    fully_shard(drafter, mesh=device_mesh, mp_policy=policy)
+        fully_shard(layer, mesh=device_mesh, mp_policy=DRAFTER_PRECISION)
+    fully_shard(drafter, mesh=device_mesh, mp_policy=DRAFTER_PRECISION)
 
 
 def wrap_drafter(drafter: nn.Module, ctx: Dist, parallelism: str) -> nn.Module:
     """The module the step calls: the (now sharded) drafter itself, a DDP replica, or as is."""
     if sharded(ctx, parallelism):
-        shard_drafter(drafter, mesh(ctx), ctx.device)
+        shard_drafter(drafter, mesh(ctx))
         return drafter
-    return DrafterDDP(drafter) if ctx.enabled else drafter
+    if not ctx.enabled:
+        return drafter
+    return DrafterDDP(drafter, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:
