@@ -1,6 +1,6 @@
 """Fixed output paths of the pipeline stages, relative to the working directory.
 
-These are the contracts in DESIGN.md; ``dvc.yaml`` names the same paths.
+These are the contracts in docs/design.md; ``dvc.yaml`` names the same paths.
 """
 
 from pathlib import Path

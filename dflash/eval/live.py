@@ -1,6 +1,6 @@
 """The evaluate stage's outputs: ``metrics/eval.json``, the acceptance plot, and DVCLive.
 
-``metrics/eval.json`` is the contract (DESIGN.md); DVCLive gets the same summary flattened,
+``metrics/eval.json`` is the contract (docs/design.md); DVCLive gets the same summary flattened,
 per-prompt τ of each method as steps, and the per-position acceptance as a plot, so ``dvc exp
 show`` and ``dvc plots diff`` compare them across experiments.
 """
