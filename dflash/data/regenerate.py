@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash import paths
+from dflash import headline, paths
 from dflash.closure import declared_inputs
 from dflash.config import Config, RegenerateConfig
 from dflash.data.chat import template_renderer
@@ -38,8 +38,9 @@ from dflash.data.conversations import (
     write_conversations,
 )
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
-from dflash.fileio import atomic_path, write_json_atomic
+from dflash.fileio import atomic_path, remove_files, write_json_atomic
 from dflash.fingerprint import digest, path_digest
+from dflash.headline import write_metrics
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
@@ -369,9 +370,9 @@ def run(config: Config) -> None:
     set_cpu_threads()
     # The report is written last and marks a finished run: a run that dies leaves none,
     # never an old one beside new conversations.
-    paths.REGENERATE_REPORT.unlink(missing_ok=True)
+    remove_files(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT)
     report = regenerate(config) if config.data.regenerate else copy_conversations()
-    write_json_atomic(paths.REGENERATE_REPORT, report)
+    write_metrics(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT, report, headline.REGENERATE)
     if report["skipped"]:
         print(f"regenerate: skipped, copied {report['conversations']} conversations")
     else:
