@@ -184,7 +184,7 @@ def run_strategy(strategy: str, args: argparse.Namespace, source: Path) -> dict:
         dflash_cli("plan", sets, work)
         threads = str(max(1, os.cpu_count() // args.world_size))
         dflash_cli("train", sets, work, env={**os.environ, "OMP_NUM_THREADS": threads})
-        metrics = json.loads((work / paths.TRAIN_METRICS).read_text())
+        metrics = json.loads((work / paths.TRAIN_DETAILS).read_text())
         plan = json.loads((work / paths.PLAN_METRICS).read_text())
         return {**metrics, "plan_efficiency": plan["padding_efficiency"]}
 
