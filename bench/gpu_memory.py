@@ -8,9 +8,9 @@ in backward (a lever this project does not implement yet: the columns say what i
 The formulas are those of ``bench/memory_model.py``, which ``bench/step_memory.py`` checks
 against measured CPU peaks.
 
-Rows are the recipe's packed 4,096-token rows, each holding two documents of the seeds' mean
-length (about 2,000 tokens) with the recipe's 512 anchors each: 1,024 x 16 block slots per row,
-4 per token. The drafter's activations scale with those slots, not with the tokens.
+Rows are the recipe's packed 4,096-token rows, each holding two documents of a chat corpus's
+typical mean length (about 2,000 tokens) with the recipe's 512 anchors each: 1,024 x 16 block
+slots per row, 4 per token. The drafter's activations scale with those slots, not with the tokens.
 """
 
 from __future__ import annotations

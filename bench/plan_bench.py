@@ -1,9 +1,10 @@
-"""Benchmark the planner on a seed-like length distribution; prints Markdown tables.
+"""Benchmark the planner on a long-tailed length distribution; prints Markdown tables.
 
 902,000 samples, lengths 16…8192 with mean ≈ 2,000 (lognormal, clipped: the spike at 8192
 mimics truncation), token budget 49,152, max_seq_len 8,192, 8 ranks. Every strategy is
-planned for all epochs, next to a plain-Python greedy packer over sorted lengths like the
-seeds' original one. A second table trades bucketed efficiency against ``num_buckets``.
+planned for all epochs, next to a plain-Python greedy packer over sorted lengths, as
+length-sorted batching is usually written. A second table trades bucketed efficiency against
+``num_buckets``.
 
     .venv/bin/python bench/plan_bench.py [--samples 902000] [--epochs 6]
 """
@@ -23,13 +24,13 @@ from dflash.batching.plan import plan_epoch
 from dflash.batching.strategies import STRATEGIES
 
 
-def seed_like_lengths(n: int, seed: int) -> np.ndarray:
+def longtail_lengths(n: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.clip(rng.lognormal(7.24, 0.9, n), 16, 8192).astype(np.int32)
 
 
 def reference_greedy(lengths: list[int], token_budget: int, max_batch_size: int) -> list[list[int]]:
-    """The seeds' design in plain Python: sort by length, fill batches until the budget."""
+    """Length-sorted batching in plain Python: sort by length, fill batches until the budget."""
     batches, batch, longest = [], [], 0
     for i in sorted(range(len(lengths)), key=lengths.__getitem__):
         grown = max(longest, lengths[i])
@@ -100,7 +101,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    lengths = seed_like_lengths(args.samples, args.seed)
+    lengths = longtail_lengths(args.samples, args.seed)
     base = PlanParams(
         strategy="sorted",
         token_budget=args.token_budget,

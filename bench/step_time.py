@@ -1,7 +1,7 @@
 """Training-step time per token of each strategy's micro-batches, interleaved in one process.
 
 ``--lengths pipeline`` (default) needs the pipeline's token store, target and tokenizer (`make
-repro`); ``--lengths seedlike`` builds the synthetic long-tailed workspace of
+repro`); ``--lengths longtail`` builds the synthetic long-tailed workspace of
 ``bench/train_throughput.py`` instead. The samples (all of the store, or ``--samples`` random
 ones of the pipeline's) are laid out by each strategy as its epoch 0 lays them out under
 ``params.yaml``. Each micro-batch runs the target's features, the drafter's loss and
@@ -15,7 +15,7 @@ and vary by 5-10% from run to run here; this isolates what a strategy's layout c
 
     python bench/step_time.py [--samples N] [--strategies sorted,bucketed,packed]
         [--passes 2] [--threads 1]
-    python bench/step_time.py --lengths seedlike [--samples 1200] [--max-len 1024]
+    python bench/step_time.py --lengths longtail [--samples 1200] [--max-len 1024]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from train_throughput import build_seedlike, shared_sets
+from train_throughput import build_longtail, shared_sets
 
 from dflash import paths
 from dflash.batching.io import Row
@@ -99,9 +99,9 @@ def interleaved(run, sets: dict[str, list[MicroBatch]], passes: int) -> dict[str
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", choices=["pipeline", "seedlike"], default="pipeline")
-    parser.add_argument("--samples", type=int, default=None, help="default: all (seedlike 1200)")
-    parser.add_argument("--max-len", type=int, default=1024, help="seedlike: longest sample")
+    parser.add_argument("--lengths", choices=["pipeline", "longtail"], default="pipeline")
+    parser.add_argument("--samples", type=int, default=None, help="default: all (longtail 1200)")
+    parser.add_argument("--max-len", type=int, default=1024, help="longtail: longest sample")
     parser.add_argument("--strategies", default="sorted,bucketed,packed")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="1: as each of 2 ranks has")
@@ -112,11 +112,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    subset = None  # seedlike: the whole synthetic store of ``--samples``
+    subset = None  # longtail: the whole synthetic store of ``--samples``
     with tempfile.TemporaryDirectory() as tmp:
-        if args.lengths == "seedlike":
-            args.samples = args.samples or 1200  # what ``build_seedlike`` writes
-            os.chdir(build_seedlike(Path(tmp), args))
+        if args.lengths == "longtail":
+            args.samples = args.samples or 1200  # what ``build_longtail`` writes
+            os.chdir(build_longtail(Path(tmp), args))
         else:
             subset = args.samples
             os.chdir(ROOT)  # the params' relative paths (bucket edges from `stats`)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seeds' question, per strategy: queue every batching strategy over several seeds as DVC
+# Which strategy trains best, averaged over seeds: queue every batching strategy over several seeds as DVC
 # experiments, run the queue, then print mean ± std per strategy.
 #
 #   bench/sweep.sh [SEEDS...]        # default seeds: 0 1 2 (4 strategies x 3 seeds = 12 runs)

@@ -1,9 +1,9 @@
 """Train throughput per batching strategy on the tiny default.
 
 ``--lengths pipeline`` (default) needs the pipeline's data and target (`make repro`, or
-`dvc repro tokenize stats`) and links them into a scratch directory. ``--lengths seedlike``
+`dvc repro tokenize stats`) and links them into a scratch directory. ``--lengths longtail``
 needs nothing: it builds a word-level tokenizer, a random target of the default shape and a
-synthetic token store whose lengths follow the seeds' long tail scaled to CPU (lognormal,
+synthetic token store whose lengths follow a chat corpus's long tail scaled to CPU (lognormal,
 lengths / 8: mean ~260, clipped to [4 x block_size, ``--max-len``]; loss on second halves),
 then runs ``stats`` there. Either way, each strategy is planned for one epoch and trained in
 its own scratch directory, ``--runs`` times (strategies interleaved, so load drifts hit all
@@ -12,7 +12,7 @@ and the median against `sorted` and against the best of `sorted` and `bucketed`.
 
     python bench/train_throughput.py [--epochs 1] [--world-size 1] [--strategies a,b]
         [--runs 1] [--set key=value ...]
-    python bench/train_throughput.py --lengths seedlike --runs 3 [--samples 1200]
+    python bench/train_throughput.py --lengths longtail --runs 3 [--samples 1200]
         [--max-len 1024]
 """
 
@@ -55,15 +55,15 @@ LINKED = [
     "data/ingested/heldout.parquet",
 ]
 """What a training run reads; the held-out split feeds its simulated τ."""
-SEEDLIKE_MU, SEEDLIKE_SIGMA = 5.2, 0.9
-"""The spread of ``bench/plan_bench.py``'s seed-like lognormal; mu puts the mean after clipping
-to [64, 1024] at ~260, the seeds' lengths / 8."""
+LONGTAIL_MU, LONGTAIL_SIGMA = 5.2, 0.9
+"""The spread of ``bench/plan_bench.py``'s long-tailed lognormal; mu puts the mean after clipping
+to [64, 1024] at ~260, that distribution's lengths / 8."""
 UNK = "<unk>"
 
 
-def seedlike_lengths(n: int, low: int, high: int, seed: int = 0) -> np.ndarray:
+def longtail_lengths(n: int, low: int, high: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return np.clip(rng.lognormal(SEEDLIKE_MU, SEEDLIKE_SIGMA, n), low, high).astype(np.int64)
+    return np.clip(rng.lognormal(LONGTAIL_MU, LONGTAIL_SIGMA, n), low, high).astype(np.int64)
 
 
 def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -97,7 +97,7 @@ def write_store(out: Path, lengths: np.ndarray, tokenizer, max_len: int, seed: i
     )
     writer.close(
         {
-            "source": "bench/train_throughput.py --lengths seedlike",
+            "source": "bench/train_throughput.py --lengths longtail",
             "tokenizer_hash": tokenizer_hash(tokenizer),
             "vocab_size": len(tokenizer),
             "mask_token_id": tokenizer.mask_token_id,
@@ -129,7 +129,7 @@ def write_heldout(path: Path, vocab_size: int, n: int = 8, seed: int = 0) -> Non
     write_conversations(rows, path)
 
 
-def build_seedlike(work: Path, args: argparse.Namespace) -> Path:
+def build_longtail(work: Path, args: argparse.Namespace) -> Path:
     """Write into ``work`` what a training run reads (the ``LINKED`` paths), then ``stats``."""
     config = load_config(PARAMS, shared_sets(args))
     tokenizer = word_tokenizer(config.tokenizer.vocab_size)
@@ -137,11 +137,11 @@ def build_seedlike(work: Path, args: argparse.Namespace) -> Path:
     target = build_tiny_target(config.target, tokenizer, args.max_len)
     target.save_pretrained(str(work / paths.TARGET))
     # The shortest sample's second half holds the 2 x block_size loss tokens tokenize requires.
-    lengths = seedlike_lengths(args.samples, 4 * config.drafter.block_size, args.max_len)
+    lengths = longtail_lengths(args.samples, 4 * config.drafter.block_size, args.max_len)
     write_store(work / paths.TOKENIZED, lengths, tokenizer, args.max_len)
     write_heldout(work / paths.HELDOUT, config.tokenizer.vocab_size)
     print(
-        f"seedlike: {len(lengths)} samples, {lengths.sum():,} tokens, mean {lengths.mean():.0f}, "
+        f"longtail: {len(lengths)} samples, {lengths.sum():,} tokens, mean {lengths.mean():.0f}, "
         f"median {np.median(lengths):.0f}, max {lengths.max()}, "
         f"{(lengths == args.max_len).mean():.1%} at the cap",
         flush=True,
@@ -151,9 +151,9 @@ def build_seedlike(work: Path, args: argparse.Namespace) -> Path:
 
 
 def shared_sets(args: argparse.Namespace) -> list[str]:
-    """Overrides every stage of every run gets; ``seedlike`` raises the length cap."""
+    """Overrides every stage of every run gets; ``longtail`` raises the length cap."""
     sets = [f"train.epochs={args.epochs}", f"train.world_size={args.world_size}"]
-    if args.lengths == "seedlike":
+    if args.lengths == "longtail":
         budget = load_config(PARAMS).batching.token_budget
         sets += [
             f"data.max_seq_len={args.max_len}",
@@ -184,7 +184,7 @@ def run_strategy(strategy: str, args: argparse.Namespace, source: Path) -> dict:
         dflash_cli("plan", sets, work)
         threads = str(max(1, os.cpu_count() // args.world_size))
         dflash_cli("train", sets, work, env={**os.environ, "OMP_NUM_THREADS": threads})
-        metrics = json.loads((work / paths.TRAIN_METRICS).read_text())
+        metrics = json.loads((work / paths.TRAIN_DETAILS).read_text())
         plan = json.loads((work / paths.PLAN_METRICS).read_text())
         return {**metrics, "plan_efficiency": plan["padding_efficiency"]}
 
@@ -198,7 +198,7 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
     tps = {s: median_of(runs, "tokens_per_s") for s, runs in results.items()}
     base = tps.get("sorted", next(iter(tps.values())))
     best = max((tps[s] for s in ("sorted", "bucketed") if s in tps), default=None)
-    data = "pipeline data" if args.lengths == "pipeline" else f"seedlike, {args.samples} samples"
+    data = "pipeline data" if args.lengths == "pipeline" else f"longtail, {args.samples} samples"
     overrides = f" with {', '.join(args.set)}" if args.set else ""
     print(
         f"\n{data}, world size {args.world_size}, {args.epochs} epoch(s), {args.runs} run(s), "
@@ -225,9 +225,9 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", choices=["pipeline", "seedlike"], default="pipeline")
-    parser.add_argument("--samples", type=int, default=1200, help="seedlike: samples")
-    parser.add_argument("--max-len", type=int, default=1024, help="seedlike: longest sample")
+    parser.add_argument("--lengths", choices=["pipeline", "longtail"], default="pipeline")
+    parser.add_argument("--samples", type=int, default=1200, help="longtail: samples")
+    parser.add_argument("--max-len", type=int, default=1024, help="longtail: longest sample")
     parser.add_argument("--runs", type=int, default=1, help="runs of every strategy")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=1)
@@ -251,7 +251,7 @@ def main() -> None:
                 sys.exit(f"{rel} is missing: run `make repro` (or `dvc repro stats`) first")
     results: dict[str, list[dict]] = {s: [] for s in strategies}
     with tempfile.TemporaryDirectory() as tmp:
-        source = ROOT if args.lengths == "pipeline" else build_seedlike(Path(tmp), args)
+        source = ROOT if args.lengths == "pipeline" else build_longtail(Path(tmp), args)
         for _ in range(args.runs):
             for strategy in strategies:
                 results[strategy].append(run_strategy(strategy, args, source))

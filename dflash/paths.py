@@ -1,6 +1,6 @@
 """Fixed output paths of the pipeline stages, relative to the working directory.
 
-These are the contracts in DESIGN.md; ``dvc.yaml`` names the same paths.
+These are the contracts in docs/design.md; ``dvc.yaml`` names the same paths.
 """
 
 from pathlib import Path
@@ -29,12 +29,16 @@ TARGET = Path("models/target")
 TARGET_REFERENCE = "dflash_target.json"
 """In a target directory: the reference to a model that is not copied (``target.path``)."""
 TARGET_METRICS = Path("metrics/target.json")
+"""The headline figures (:mod:`dflash.headline`); ``TARGET_DETAILS`` holds them all."""
+TARGET_DETAILS = Path("metrics/target_details.json")
 
 REGENERATED = Path("data/regenerated")
 REGENERATED_CONVERSATIONS = REGENERATED / "conversations.parquet"
 REGENERATED_SHARDS = REGENERATED / "shards"
 """Persisted between runs (``persist: true``) so an interrupted regeneration resumes."""
 REGENERATE_REPORT = REGENERATED / "report.json"
+"""Every figure of the run; ``REGENERATE_METRICS`` holds its headline data counts."""
+REGENERATE_METRICS = Path("metrics/regenerate.json")
 REGENERATED_SHARD = "shard_{index:05d}"
 """A shard's stem: ``.parquet`` holds its conversations, ``.json`` commits it (written last)."""
 REGENERATED_SHARD_COMMITS = "shard_*.json"
@@ -79,9 +83,13 @@ CHECKPOINT_RUN = "run.json"
 TRAIN_LOCK = CHECKPOINTS / "train.lock"
 """Held (``flock``) by the one training run of a workspace; holds its PID."""
 TRAIN_METRICS = Path("metrics/train.json")
+"""The headline figures (:mod:`dflash.headline`), written last; ``TRAIN_DETAILS`` holds all."""
+TRAIN_DETAILS = Path("metrics/train_details.json")
 TRAIN_PLOTS = Path("plots/train")
 TRAIN_LOG = TRAIN_PLOTS / "log.csv"
 EVAL_METRICS = Path("metrics/eval.json")
+"""The headline figures (:mod:`dflash.headline`), written last; ``EVAL_DETAILS`` holds all."""
+EVAL_DETAILS = Path("metrics/eval_details.json")
 EVAL_PLOTS = Path("plots/eval")
 EVAL_ACCEPTANCE = EVAL_PLOTS / "acceptance.csv"
 EVAL_STRATA = EVAL_PLOTS / "strata.csv"

@@ -2,7 +2,7 @@
 
 ``models/drafter`` is the train stage's output, written before anything scored it, so its
 model card cannot hold τ. This copies the export to ``DIR`` (whole or not at all) and adds
-to its card the scorecard of ``metrics/eval.json``: every prompt set and stratum. It first
+to its card the scorecard of ``metrics/eval_details.json``: every prompt set and stratum. It first
 checks that evaluation scored these very weights, and refuses otherwise (exit 2).
 """
 
@@ -27,19 +27,19 @@ EXPORT_FILES = (paths.DRAFTER_CONFIG, paths.DRAFTER_WEIGHTS, paths.DRAFTER_CODE,
 
 
 def scored_metrics(root: Path) -> dict:
-    """``metrics/eval.json`` under ``root``, when it scored the drafter there; else why not."""
+    """The evaluation details under ``root``, when they scored the drafter there; else why not."""
     rerun = "rerun the evaluate stage (`dvc repro evaluate` or `dflash evaluate`)"
     stale = stale_drafter(root)
     if stale:
         raise UserError(stale)
     try:
-        metrics = json.loads((root / paths.EVAL_METRICS).read_text())
+        metrics = json.loads((root / paths.EVAL_DETAILS).read_text())
     except FileNotFoundError:
-        raise UserError(f"{paths.EVAL_METRICS} is missing: {rerun}") from None
+        raise UserError(f"{paths.EVAL_DETAILS} is missing: {rerun}") from None
     except ValueError:
-        raise UserError(f"{paths.EVAL_METRICS} is unreadable: {rerun}") from None
+        raise UserError(f"{paths.EVAL_DETAILS} is unreadable: {rerun}") from None
     if metrics.get("drafter_sha256") != path_digest(root / paths.DRAFTER):
-        raise UserError(f"{paths.EVAL_METRICS} scored other weights than {paths.DRAFTER}: {rerun}")
+        raise UserError(f"{paths.EVAL_DETAILS} scored other weights than {paths.DRAFTER}: {rerun}")
     return metrics
 
 

@@ -218,7 +218,7 @@ def scorecard(d: dict) -> list[str]:
     try:
         flat = scorecard_rows(d)
     except (AttributeError, TypeError, KeyError):  # a hand-edited or partial file: no table
-        return [f"{'':13}unreadable strata in {paths.EVAL_METRICS}"]
+        return [f"{'':13}unreadable strata in {paths.EVAL_DETAILS}"]
     for r in flat:
         ci = r.get("acceptance_length_ci95")
         pair = isinstance(ci, list) and len(ci) == 2
@@ -247,7 +247,7 @@ def render_report(root: Path) -> str:
     if isinstance(plan, dict) and isinstance(meta, dict):
         plan = {"strategy": meta.get("strategy"), **plan}
     tok = [d for d in (read(root, rel) for rel in TOKENIZE_FILES) if isinstance(d, dict)]
-    ev = read(root, paths.EVAL_METRICS)
+    ev = read(root, paths.EVAL_DETAILS, paths.EVAL_METRICS)
     flags = [mismatch_flag(ev) if isinstance(ev, dict) else None, stale_drafter(root)]
     flags = [flag if flag.startswith("!!!") else f"!!! {flag} !!!" for flag in flags if flag]
     lines = ["dflash report", *flags, ""]
@@ -256,9 +256,19 @@ def render_report(root: Path) -> str:
     lines += section("regenerate", "regenerate", regen, lambda d: regenerate(d, root))
     tok_data = {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
     lines += section("tokenize", "tokenize", tok_data, tokenize)
-    lines += ["", *section("target", "target", read(root, paths.TARGET_METRICS), TARGET)]
+    lines += [
+        "",
+        *section(
+            "target", "target", read(root, paths.TARGET_DETAILS, paths.TARGET_METRICS), TARGET
+        ),
+    ]
     lines += ["", *section("batching", "plan", plan, BATCHING)]
-    lines += ["", *section("training", "train", read(root, paths.TRAIN_METRICS), TRAINING)]
+    lines += [
+        "",
+        *section(
+            "training", "train", read(root, paths.TRAIN_DETAILS, paths.TRAIN_METRICS), TRAINING
+        ),
+    ]
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
     if isinstance(ev, dict) and "strata" in ev:
         lines += ["", *section("scorecard", "evaluate", ev, scorecard)]

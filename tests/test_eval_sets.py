@@ -160,7 +160,7 @@ def test_evaluate_scores_every_set_with_strata(tiny_workspace):
         ["plan", "train", "evaluate"],
         ["train.world_size=1", "train.epochs=1", sets],
     )
-    metrics = json.loads((tiny_workspace / "metrics/eval.json").read_text())
+    metrics = json.loads((tiny_workspace / "metrics/eval_details.json").read_text())
     assert metrics["n_prompts"] == 3 and metrics["modes"] == ["default"]
     assert set(metrics["strata"]) == {"tools", "length"}
     questions = metrics["sets"]["questions"]
@@ -190,7 +190,7 @@ def publish_with_its_scorecard(workspace):
     assert (out / "model.safetensors").read_bytes() == (
         workspace / "models/drafter/model.safetensors"
     ).read_bytes()
-    metrics = workspace / "metrics/eval.json"
+    metrics = workspace / "metrics/eval_details.json"
     metrics.write_text(json.dumps({**json.loads(metrics.read_text()), "drafter_sha256": "0"}))
     assert publish_main([str(workspace / "other"), "--root", str(workspace)]) == 2
     assert not (workspace / "other").exists()

@@ -93,7 +93,7 @@ def test_loss_by_tercile_weights_and_splits_by_length():
 def test_evaluate_stage_on_a_trained_tiny_drafter(tiny_workspace):
     single = ["train.world_size=1", "train.epochs=1"]
     run_stages(tiny_workspace, ["plan", "train", "evaluate"], single)
-    metrics = json.loads((tiny_workspace / "metrics/eval.json").read_text())
+    metrics = json.loads((tiny_workspace / "metrics/eval_details.json").read_text())
     assert metrics["lossless_mismatches"] == 0
     assert metrics["n_prompts"] > 0
     assert 1.0 <= metrics["acceptance_length"] <= 4.0
@@ -110,3 +110,15 @@ def test_evaluate_stage_on_a_trained_tiny_drafter(tiny_workspace):
     live = json.loads((tiny_workspace / "dvclive/evaluate/metrics.json").read_text())
     assert live["acceptance_length"] == metrics["acceptance_length"]
     assert "ngram_acceptance_length" in live
+    headline = json.loads((tiny_workspace / "metrics/eval.json").read_text())
+    assert headline["acceptance_length"] == metrics["acceptance_length"]
+    assert headline["baselines"]["ngram"] == {"acceptance_length": base_tau("ngram", metrics)}
+    low, high = metrics["acceptance_length_ci95"]
+    assert (headline["acceptance_length_ci95_low"], headline["acceptance_length_ci95_high"]) == (
+        low,
+        high,
+    )
+
+
+def base_tau(name: str, metrics: dict) -> float:
+    return metrics["baselines"][name]["acceptance_length"]

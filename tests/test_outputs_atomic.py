@@ -122,7 +122,7 @@ def test_train_leaves_no_old_metrics_beside_a_new_drafter(tiny_workspace, monkey
     os.chdir(tiny_workspace)
     paths.TRAIN_METRICS.parent.mkdir(parents=True, exist_ok=True)
     paths.TRAIN_METRICS.write_text('{"final_loss": 0.001}\n')
-    kill_on_call(monkeypatch, "dflash.train.loop.write_json_atomic")  # metrics come last
+    kill_on_call(monkeypatch, "dflash.train.loop.write_metrics")  # metrics come last
     with pytest.raises(Killed):
         run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
     assert not paths.TRAIN_METRICS.exists()

@@ -35,7 +35,7 @@ FILES = {
         "dropped": {"overlength": 0, "too_few_loss_tokens": 20},
     },
     "data/tokenized/tokenize_report.json": {"n_samples": 1870, "length": {"p50": 200}},
-    "metrics/target.json": {
+    "metrics/target_details.json": {
         "mode": "pretrained",
         "heldout_loss": 3.2101,
         "heldout_perplexity": 24.78,
@@ -51,7 +51,7 @@ FILES = {
         "window_ks": 0.05,
         "epochs": [{"epoch": 0}],
     },
-    "metrics/train.json": {
+    "metrics/train_details.json": {
         "final_loss": 2.345,
         "final_accuracy": 0.4567,
         "tokens_per_s": 54321.0,
@@ -64,7 +64,7 @@ FILES = {
         "loss_spikes": 4,
         "grad_norm_cv": 0.4321,
     },
-    "metrics/eval.json": {
+    "metrics/eval_details.json": {
         "acceptance_length": 3.456,
         "acceptance_length_zlab": 3.812,
         "acceptance_length_pooled": 3.012,
@@ -139,9 +139,9 @@ def test_scorecard_lists_every_set_and_stratum(tmp_path):
     stratum = {"n_prompts": 7, "acceptance_length": 2.5, "acceptance_length_ci95": [2.0, 3.0],
                "ngram_acceptance_length": 1.25}  # fmt: skip
     empty = {"n_prompts": 0, "acceptance_length": None, "acceptance_length_ci95": None}
-    heldout = {**FILES["metrics/eval.json"], "strata": {"tools": {"with": empty}}}
+    heldout = {**FILES["metrics/eval_details.json"], "strata": {"tools": {"with": empty}}}
     gsm = {**heldout, "n_prompts": 9, "strata": {"length": {"short": stratum}}}
-    write(tmp_path, {"metrics/eval.json": {**heldout, "sets": {"gsm8k": gsm}}})
+    write(tmp_path, {"metrics/eval_details.json": {**heldout, "sets": {"gsm8k": gsm}}})
     lines = render_report(tmp_path).splitlines()
     table = lines[next(i for i, line in enumerate(lines) if line.startswith("  scorecard")) :]
     assert table[0].split() == ["scorecard", "set", "stratum", "tau", "95%", "CI", "n-gram", "n"]
@@ -150,12 +150,20 @@ def test_scorecard_lists_every_set_and_stratum(tmp_path):
     assert table[3].split() == ["gsm8k", "all", "3.46", "3.10-3.80", "1.38", "9"]
     assert table[4].split() == ["gsm8k", "length:short", "2.50", "2.00-3.00", "1.25", "7"]
     broken = {**heldout, "strata": {"tools": ["not", "a", "mapping"]}}
-    write(tmp_path, {"metrics/eval.json": broken})
-    assert "unreadable strata in metrics/eval.json" in render_report(tmp_path)
+    write(tmp_path, {"metrics/eval_details.json": broken})
+    assert "unreadable strata in metrics/eval_details.json" in render_report(tmp_path)
 
 
 def test_nonzero_mismatches_are_flagged(tmp_path):
-    write(tmp_path, {"metrics/eval.json": {**FILES["metrics/eval.json"], "lossless_mismatches": 3}})
+    write(
+        tmp_path,
+        {
+            "metrics/eval_details.json": {
+                **FILES["metrics/eval_details.json"],
+                "lossless_mismatches": 3,
+            }
+        },
+    )
     text = render_report(tmp_path)
     assert text.count("LOSSLESS CHECK FAILED: 3 of 20") == 2  # top of the screen and its section
 
@@ -164,17 +172,17 @@ def test_partial_and_broken_files_do_not_raise(tmp_path):
     write(
         tmp_path,
         {
-            "metrics/train.json": {"final_loss": None, "steps": "many"},
-            "metrics/eval.json": "{not json",
+            "metrics/train_details.json": {"final_loss": None, "steps": "many"},
+            "metrics/eval_details.json": "{not json",
             "data/ingested/ingest_report.json": {"kept": [], "skipped": 5},
             "data/regenerated/report.json": {"skipped": True, "conversations": 10},
             "data/plans/summary.json": {"meta": {"strategy": "packed"}, "padding_efficiency": 0.99},
-            "metrics/target.json": [1, 2],
+            "metrics/target_details.json": [1, 2],
         },
     )
     text = render_report(tmp_path)
-    assert "unreadable metrics/eval.json" in text
-    assert "unreadable metrics/target.json" in text
+    assert "unreadable metrics/eval_details.json" in text
+    assert "unreadable metrics/target_details.json" in text
     assert "packed" in text and "0.990" in text  # plan falls back to data/plans/summary.json
     assert "skipped" in text and "n/a" in text
 

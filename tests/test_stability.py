@@ -1,4 +1,4 @@
-"""Loss spikes and grad-norm spread: the seeds' question, measured the same for every strategy."""
+"""Loss spikes and grad-norm spread: measured the same for every strategy."""
 
 import pytest
 

@@ -30,7 +30,7 @@ def test_pretrained_target_is_a_hf_dir_with_metrics(pretrained):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in target.iterdir()
     }
-    metrics = json.loads((pretrained / paths.TARGET_METRICS).read_text())
+    metrics = json.loads((pretrained / paths.TARGET_DETAILS).read_text())
     assert metrics["mode"] == "pretrained"
     assert metrics["train_loss"] < metrics["first_loss"] - 1.0
     assert metrics["heldout_perplexity"] == pytest.approx(math.exp(metrics["heldout_loss"]))
@@ -65,7 +65,7 @@ def test_reference_mode_records_the_path_and_copies_no_weights(tiny_workspace, t
     assert reference["path"] == str(real.resolve())
     assert len(reference["config_sha256"]) == 64
     assert resolve_target_path(target) == str(real.resolve())
-    metrics = json.loads((tiny_workspace / paths.TARGET_METRICS).read_text())
+    metrics = json.loads((tiny_workspace / paths.TARGET_DETAILS).read_text())
     assert metrics["mode"] == "reference" and metrics["heldout_loss"] > 0
     via_reference, direct = load_target(target), load_target(real)
     assert not any(p.requires_grad for p in via_reference.parameters())

@@ -110,9 +110,11 @@ def test_stale_plan_is_refused_with_what_differs(tiny_workspace):
 
 def test_single_process_run_writes_metrics_plots_and_drafter(tiny_workspace):
     run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
-    metrics = json.loads((tiny_workspace / "metrics/train.json").read_text())
+    headline = json.loads((tiny_workspace / "metrics/train.json").read_text())
     for key in ("final_loss", "tokens_per_s", "padded_tokens_per_s", "padding_efficiency", "steps"):
-        assert key in metrics
+        assert key in headline
+    metrics = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
+    assert headline.items() <= metrics.items()
     plan = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
     assert metrics["steps"] == plan["n_steps"]
     assert metrics["padding_efficiency"] == pytest.approx(plan["padding_efficiency"], rel=1e-6)
@@ -220,5 +222,5 @@ def test_dflash_train_launches_torchrun_itself(tiny_workspace):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = json.loads((tiny_workspace / "metrics/train.json").read_text())
+    metrics = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
     assert metrics["world_size"] == 2

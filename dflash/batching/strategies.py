@@ -1,8 +1,8 @@
-"""The four batching strategies of DESIGN.md, each a pure function to a ``Layout``.
+"""The four batching strategies (docs/design.md), each a pure function to a ``Layout``.
 
 Each takes the lengths, the plan params and the epoch's generator. Only ``sorted`` ignores
-the generator: its micro-batches are frozen across epochs, as in the seeds' original design
-(and fairseq's ``batch_by_size``), and only their order changes.
+the generator: its micro-batches are frozen across epochs, as in classic length-sorted
+batching (fairseq's ``batch_by_size``), and only their order changes.
 """
 
 from __future__ import annotations

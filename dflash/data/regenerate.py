@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash import paths
+from dflash import headline, paths
 from dflash.closure import declared_inputs
 from dflash.config import Config, RegenerateConfig
 from dflash.data.chat import template_renderer
@@ -43,8 +43,9 @@ from dflash.data.conversations import (
     write_conversations,
 )
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
-from dflash.fileio import atomic_path, write_json_atomic
+from dflash.fileio import atomic_path, remove_files, write_json_atomic
 from dflash.fingerprint import digest, path_digest
+from dflash.headline import write_metrics
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
@@ -364,7 +365,7 @@ def regenerate(config: Config) -> dict:
     progress.close()
     if failed.total() > allowed:
         raise regeneration_lost(lost, failed, len(rows), config.regenerate.max_failed_fraction)
-    paths.REGENERATE_REPORT.unlink(missing_ok=True)
+    remove_files(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT)
     write_conversations(output, paths.REGENERATED_CONVERSATIONS)
     seconds = fresh["seconds"]
     return {
@@ -407,7 +408,7 @@ def copy_conversations() -> dict:
     """``data.regenerate: false``: the training split passes through unchanged.
 
     A byte copy in the file system's own chunks: memory does not grow with the corpus."""
-    paths.REGENERATE_REPORT.unlink(missing_ok=True)
+    remove_files(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT)
     with atomic_path(paths.REGENERATED_CONVERSATIONS) as tmp:
         shutil.copyfile(paths.CONVERSATIONS, tmp)
     return {"skipped": True, "conversations": count_conversations(paths.CONVERSATIONS)}
@@ -419,7 +420,7 @@ def run(config: Config) -> None:
     # The report is written last and marks a finished run: it is removed just before the
     # conversations are replaced, so a run that dies leaves none beside new conversations.
     report = regenerate(config) if config.data.regenerate else copy_conversations()
-    write_json_atomic(paths.REGENERATE_REPORT, report)
+    write_metrics(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT, report, headline.REGENERATE)
     if report["skipped"]:
         print(f"regenerate: skipped, copied {report['conversations']} conversations")
     else:

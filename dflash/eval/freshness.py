@@ -1,9 +1,9 @@
 """Is ``models/drafter`` the output of the last training run, or left over from an older one?
 
-Training removes ``metrics/train.json`` when it starts and writes it last, with the digest of
-the drafter it exported. A missing file beside a drafter means a run began and never finished;
-another digest means the drafter was swapped after the run. Evaluating either would report
-figures for weights no one asked for.
+Training removes ``metrics/train.json`` when it starts and writes it last, after
+``metrics/train_details.json`` with the digest of the drafter it exported. A missing file beside a
+drafter means a run began and never finished; another digest means the drafter was swapped after the
+run. Evaluating either would report figures for weights no one asked for.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dflash.fingerprint import path_digest
 def stale_drafter(root: Path) -> str | None:
     """Why the drafter under ``root`` is not the last training run's, or None when it is.
 
-    A ``train.json`` without a digest (written before digests were recorded) proves nothing
-    either way and passes.
+    Metrics without a digest (written before digests were recorded) prove nothing either way
+    and pass.
     """
     if not (root / paths.DRAFTER).is_dir():
         return None
@@ -30,13 +30,14 @@ def stale_drafter(root: Path) -> str | None:
             f"{paths.TRAIN_METRICS} is missing: the last training run did not finish, so "
             f"{paths.DRAFTER} is left from an older run; {rerun}"
         )
+    details = paths.TRAIN_DETAILS if (root / paths.TRAIN_DETAILS).exists() else paths.TRAIN_METRICS
     try:
-        recorded = json.loads(metrics.read_text()).get("drafter_sha256")
+        recorded = json.loads((root / details).read_text()).get("drafter_sha256")
     except (OSError, ValueError, AttributeError):
-        return f"{paths.TRAIN_METRICS} is unreadable: the last training run did not finish; {rerun}"
+        return f"{details} is unreadable: the last training run did not finish; {rerun}"
     if recorded is not None and recorded != path_digest(root / paths.DRAFTER):
         return (
             f"{paths.DRAFTER} is not the drafter the last training run wrote (its digest "
-            f"differs from the one in {paths.TRAIN_METRICS}); {rerun}"
+            f"differs from the one in {details}); {rerun}"
         )
     return None

@@ -1,9 +1,9 @@
 """Held-out drafter loss by sample length: does a batching strategy serve some lengths worse?
 
-The seeds left length-sorted batches because the loss spiked at batch boundaries; a strategy
-may also leave long or short samples undertrained. Each evaluation prompt with the target's own
-greedy answer is one held-out sample; the DFlash objective is computed on it with a block
-anchored at every answer position, and the loss is averaged per length tercile.
+Length-sorted batches can make the loss spike at batch boundaries; a strategy may also leave
+long or short samples undertrained. Each evaluation prompt with the target's own greedy answer
+is one held-out sample; the DFlash objective is computed on it with a block anchored at every
+answer position, and the loss is averaged per length tercile.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The evaluate stage's outputs: ``metrics/eval.json``, the acceptance plot, and DVCLive.
+"""The evaluate stage's outputs: its metrics, the acceptance plots, and DVCLive.
 
-``metrics/eval.json`` is the contract (DESIGN.md); DVCLive gets the same summary flattened,
-per-prompt τ of each method as steps, and the per-position acceptance as a plot, so ``dvc exp
-show`` and ``dvc plots diff`` compare them across experiments.
+``metrics/eval_details.json`` holds every figure and ``metrics/eval.json`` the headline that
+``dvc exp show`` compares (the contracts in docs/design.md). DVCLive gets per-prompt τ of each
+method as steps and the per-position acceptance as a plot, for ``dvc plots``; its summary is
+an output, not a metrics file, so it adds no column to ``dvc exp show``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dflash import paths
 from dflash.eval.strata import scorecard_rows
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
+from dflash.headline import EVAL, headline
 from dflash.live import open_live
 
 LIVE_SUMMARY = (
@@ -54,7 +56,7 @@ def strata_csv(metrics: dict) -> str:
 def write_eval_outputs(metrics: dict, decodes) -> None:
     """The old metrics go first and the new come last: a run killed in between leaves no old
     metrics beside new acceptance rows (they are two files in two directories)."""
-    remove_files(paths.EVAL_METRICS, paths.EVAL_ACCEPTANCE, paths.EVAL_STRATA)
+    remove_files(paths.EVAL_METRICS, paths.EVAL_DETAILS, paths.EVAL_ACCEPTANCE, paths.EVAL_STRATA)
     per = metrics["per_position_acceptance"]
     lines = "position,acceptance\n" + "".join(f"{k},{a:.6f}\n" for k, a in enumerate(per, 1))
     write_text_atomic(paths.EVAL_ACCEPTANCE, lines)
@@ -70,4 +72,14 @@ def write_eval_outputs(metrics: dict, decodes) -> None:
     live.log_plot("acceptance", points, x="position", y="acceptance", title="Acceptance")
     live.summary.update(live_summary(metrics))
     live.end()
-    write_json_atomic(paths.EVAL_METRICS, metrics, sort_keys=True)
+    write_json_atomic(paths.EVAL_DETAILS, metrics, sort_keys=True)
+    write_json_atomic(paths.EVAL_METRICS, eval_headline(metrics), sort_keys=True)
+
+
+def eval_headline(metrics: dict) -> dict:
+    """The headline, with τ's interval also as two numbers: DVC shows no list."""
+    out = headline(metrics, EVAL)
+    ci = metrics.get("acceptance_length_ci95")
+    if isinstance(ci, list) and len(ci) == 2:
+        out |= {"acceptance_length_ci95_low": ci[0], "acceptance_length_ci95_high": ci[1]}
+    return out

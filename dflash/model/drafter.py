@@ -51,7 +51,7 @@ class DFlashConfig:
     """The mask token's string: SGLang looks it up by name and assumes ``<|MASK|>`` without it."""
 
     def to_dict(self, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
-        """The Hugging Face style ``config.json`` of DESIGN.md, plus what serving stacks read.
+        """The Hugging Face style ``config.json`` of docs/design.md, plus what serving stacks read.
 
         The constant Qwen3 keys let the public DFlash inference code read it as a Qwen3 config;
         the parameter names in ``model.safetensors`` follow that code's layout too. Given the

@@ -55,7 +55,7 @@ def rope_keys(target_config: Any, theta: float) -> dict:
 
 
 def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
-    """The keys of a ``DFlashConfig``'s ``config.json`` beyond DESIGN.md's, for serving."""
+    """The keys of a ``DFlashConfig``'s ``config.json`` beyond docs/design.md's, for serving."""
     n = config.num_hidden_layers
     max_positions = getattr(target_config, "max_position_embeddings", None)
     return {

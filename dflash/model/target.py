@@ -14,12 +14,13 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash import paths
+from dflash import headline, paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.fileio import atomic_dir, remove_files, write_json_atomic
 from dflash.fingerprint import digest
+from dflash.headline import write_metrics
 from dflash.model.layer_ids import check_layer_selection, target_depth
 from dflash.model.load import load_target
 from dflash.model.pretrain import (
@@ -81,10 +82,10 @@ def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None
     }
     metrics = {"mode": "reference", "parameters": model.num_parameters()}
     metrics |= score_heldout(model, tokenizer, config.data.max_seq_len, REFERENCE_EVAL_ROWS)
-    remove_files(paths.TARGET_METRICS)
+    remove_files(paths.TARGET_METRICS, paths.TARGET_DETAILS)
     with atomic_dir(paths.TARGET) as tmp:
         write_json_atomic(tmp / paths.TARGET_REFERENCE, reference)
-    write_json_atomic(paths.TARGET_METRICS, metrics)
+    write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, metrics, headline.TARGET)
     print(f"target: reference to {reference['path']} ({model.config.model_type})")
 
 
@@ -100,11 +101,11 @@ def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
     end_id = tokenizer.convert_tokens_to_ids(IM_END) if IM_END in tokenizer.get_vocab() else None
     metrics |= pretrain(model, input_ids, labels, config.target, end_id)
     metrics |= score_heldout(model, tokenizer, max_seq_len)
-    remove_files(paths.TARGET_METRICS)
+    remove_files(paths.TARGET_METRICS, paths.TARGET_DETAILS)
     with atomic_dir(paths.TARGET) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-    write_json_atomic(paths.TARGET_METRICS, metrics)
+    write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, metrics, headline.TARGET)
     print(
         f"target: {metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "
         f"held-out perplexity {metrics.get('heldout_perplexity', float('nan')):.2f}"

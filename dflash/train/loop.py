@@ -17,14 +17,15 @@ from typing import Any
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash import paths
+from dflash import headline, paths
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
-from dflash.fileio import remove_files, write_json_atomic
+from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
+from dflash.headline import write_metrics
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_run
 from dflash.model.load import load_target, target_device_dtype
@@ -151,7 +152,7 @@ class Trainer:
         """
         t = self.config.train
         if self.ctx.is_main:
-            remove_files(paths.TRAIN_METRICS)
+            remove_files(paths.TRAIN_METRICS, paths.TRAIN_DETAILS)
         s = self.state
         monitor = (
             Monitor(self.config, paths.TRAIN_PLOTS, s.rows, s.history) if self.ctx.is_main else None
@@ -167,7 +168,7 @@ class Trainer:
             summary |= monitor.stability()
             export_run(self.drafter, self.config, self.target.config, summary, weights)
             summary["drafter_sha256"] = path_digest(paths.DRAFTER)
-            write_json_atomic(paths.TRAIN_METRICS, summary, sort_keys=True)
+            write_metrics(paths.TRAIN_METRICS, paths.TRAIN_DETAILS, summary, headline.TRAIN)
             monitor.finish(summary)
             print(f"[train] done: {json.dumps(summary)}")
         barrier(self.ctx)

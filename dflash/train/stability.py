@@ -1,9 +1,9 @@
-"""Training stability, the seeds' question: did the loss spike, how erratic were the gradients?
+"""Training stability per batching strategy: did the loss spike, how erratic were the gradients?
 
-The seeds left length-sorted batches because the loss jumped (from ~0.9 to 4.6-6.4) at batch
-boundaries. A spike is a step whose loss exceeds twice the median of the previous
-``SPIKE_WINDOW`` steps; the grad-norm coefficient of variation (std / mean over all steps)
-measures how uneven the updates were. Both are comparable across batching strategies.
+Length-sorted batches can make the loss jump (from ~0.9 to 4.6-6.4) at batch boundaries. A spike is
+a step whose loss exceeds twice the median of the previous ``SPIKE_WINDOW`` steps; the grad-norm
+coefficient of variation (std / mean over all steps) measures how uneven the updates were. Both are
+comparable across batching strategies.
 """
 
 from __future__ import annotations
