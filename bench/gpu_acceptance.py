@@ -1,0 +1,275 @@
+"""The first command on a new GPU machine: do the kernels, the pipeline and resume hold there?
+
+    python bench/gpu_acceptance.py           # one H100/H200, a few minutes
+    python bench/gpu_acceptance.py --smoke   # the same checks at tiny shapes, on CPU too
+
+Prints one JSON line per check, ``{"check", "value", "threshold", "pass"}``, and exits 1 if any
+check fails. The kernel checks run in this process; the pipeline checks build a small workspace
+in a temporary directory and train it under ``torchrun --nproc_per_node 1``: DDP with
+checkpoints, FSDP against DDP, SIGKILL and resume, then ``evaluate``. ``make test`` runs
+``--smoke``, so the script cannot rot on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_STAGES = ["ingest", "tokenizer", "target", "regenerate", "tokenize", "stats", "plan"]
+
+
+@dataclass
+class Check:
+    check: str
+    value: float | int | bool | str | None
+    threshold: str
+    passed: bool
+
+    def line(self) -> str:
+        row = {"check": self.check, "value": self.value, "threshold": self.threshold}
+        return json.dumps(row | {"pass": "PASS" if self.passed else "FAIL"})
+
+
+# ---------------------------------------------------------------- pipeline checks
+def corpus(n: int) -> list[dict]:
+    """Regular multi-turn chats a small target learns in seconds (no download)."""
+    nouns = "river stone cloud lamp garden engine violin harbor pepper ladder".split()
+    verbs = "paints carries follows hides lifts measures".split()
+    rows = []
+    for i in range(n):
+        a, b, v = nouns[i % 10], nouns[(i * 7 + 3) % 10], verbs[i % 6]
+        messages = []
+        for t in range(1 + i % 3):
+            messages.append({"role": "user", "content": f"what does the {a} do with the {b}? {t}"})
+            answer = f"the {a} {v} the {b}, and then the {b} {v} the {a} again {t}"
+            messages.append({"role": "assistant", "content": answer})
+        rows.append({"id": f"chat-{i}", "messages": messages})
+    return rows
+
+
+def pipeline_params(smoke: bool) -> dict:
+    """Small enough for minutes, large enough for several steps per epoch and real blocks."""
+    hidden = 64 if smoke else 256
+    return {
+        "data": {"source": "data/raw/corpus.jsonl", "eval_fraction": 0.1,
+                 "max_seq_len": 96 if smoke else 256, "max_conversations": None,
+                 "regenerate": False},
+        "tokenizer": {"vocab_size": 320 if smoke else 1024},
+        "target": {"num_hidden_layers": 6, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+                   "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "pretrain_epochs": 1, "pretrain_batch_tokens": 2048},
+        "drafter": {"block_size": 4 if smoke else 16, "num_hidden_layers": 1,
+                    "num_target_features": 2 if smoke else 3,
+                    "anchors_per_sequence": 6 if smoke else 16},
+        "batching": {"strategy": "packed", "token_budget": 384 if smoke else 1024,
+                     "max_batch_size": 8},
+        "train": {"epochs": 1 if smoke else 3, "world_size": 1, "checkpoint_every": 4,
+                  "num_workers": 1, "lr": 3.0e-3},
+        "evaluate": {"num_prompts": 8, "max_new_tokens": 12 if smoke else 32},
+        "logging": {"wandb": "disabled", "every": 1},
+    }  # fmt: skip
+
+
+def stage(workspace: Path, name: str, *overrides: str, torchrun: bool = False, **popen):
+    """``dflash NAME`` in the workspace, or one ``torchrun`` rank of it; returns the process."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd = [sys.executable, *(launcher if torchrun else []), "-m", "dflash.cli", name]
+    cmd += [f"--set={o}" for o in overrides]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, cwd=workspace, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            **popen)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, what: str, timeout: float = 600) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited {proc.returncode}:\n{out[-4000:]}")
+    return out
+
+
+def build_workspace(root: Path, smoke: bool) -> Path:
+    workspace = root / "base"
+    (workspace / "data/raw").mkdir(parents=True)
+    with open(workspace / "data/raw/corpus.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in corpus(200 if smoke else 1200))
+    (workspace / "params.yaml").write_text(yaml.safe_dump(pipeline_params(smoke)))
+    script = (
+        "from dflash.cli import run_stage; from dflash.params import load_config; "
+        f"config = load_config('params.yaml', []); [run_stage(s, config) for s in {DATA_STAGES}]"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=workspace, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    finish(proc, "the data stages")  # one process: the stages' imports are paid once
+    return workspace
+
+
+def losses(workspace: Path) -> dict[int, float]:
+    with open(workspace / "plots/train/log.csv") as f:
+        return {int(row["step"]): float(row["loss"]) for row in csv.DictReader(f)}
+
+
+def train_copy(base: Path, name: str, *overrides: str) -> Path:
+    workspace = base.parent / name
+    shutil.copytree(base, workspace, symlinks=True)
+    finish(stage(workspace, "train", *overrides, torchrun=True), f"train ({name})")
+    return workspace
+
+
+def kill_after_checkpoint(workspace: Path, step: int) -> bool:
+    """Start training, SIGKILL the whole process group once checkpoint ``step`` is complete."""
+    proc = stage(workspace, "train", torchrun=True)
+    marker = workspace / f"checkpoints/step_{step:08d}.sha256"
+    deadline = time.time() + 600
+    while proc.poll() is None and time.time() < deadline and not marker.exists():
+        time.sleep(0.01)
+    killed = proc.poll() is None
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    return killed
+
+
+def relative_gap(a: dict[int, float], b: dict[int, float], steps) -> float:
+    return max(abs(a[s] - b[s]) / max(abs(a[s]), 1e-12) for s in steps)
+
+
+def pipeline_checks(root: Path, smoke: bool) -> list[Check]:
+    base = build_workspace(root, smoke)
+    ddp = train_copy(base, "ddp", "train.parallelism=ddp")
+    reference = losses(ddp)
+    steps = sorted(reference)
+    least = 6 if smoke else 40
+    checks = [Check("ddp_steps", len(steps), f">= {least}", len(steps) >= least)]
+    fsdp = losses(train_copy(base, "fsdp", "train.parallelism=fsdp"))
+    gap = relative_gap(reference, fsdp, steps)
+    checks.append(Check("fsdp_vs_ddp_loss_rel", gap, "<= 2e-2", gap <= 2e-2))
+
+    resumed = base.parent / "resume"
+    shutil.copytree(base, resumed, symlinks=True)
+    killed = kill_after_checkpoint(resumed, 4)
+    out = finish(stage(resumed, "train", torchrun=True), "train (resume)")
+    later = [s for s in steps if s > 4]
+    again = losses(resumed)
+    gap = max((abs(again[s] - reference[s]) for s in later), default=float("inf"))
+    ok = killed and "resumed at" in out and gap <= 1e-3
+    checks.append(Check("resume_later_loss_abs", gap, "<= 1e-3 after SIGKILL at step 4", ok))
+
+    finish(stage(ddp, "evaluate", "evaluate.num_prompts=8"), "evaluate")
+    metrics = json.loads((ddp / "metrics/eval.json").read_text())
+    mismatches = metrics["lossless_mismatches"]
+    checks.append(Check("evaluate_lossless_mismatches", mismatches, "== 0 on 8 prompts",
+                        mismatches == 0))  # fmt: skip
+    tau = metrics["acceptance_length"]
+    floor = 1.0 if smoke else 1.05  # the smoke drafter trains a few steps: τ 1 is its due
+    checks.append(Check("evaluate_tau", tau, f">= {floor}", tau >= floor))
+    return checks
+
+
+# ---------------------------------------------------------------- kernel checks
+def cuda_measure(build, anchors, docs, block_size: int, repeats: int = 3) -> dict:
+    """``flex_mask.measure`` on the device: its allocator's peak, and synchronised times."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    build(anchors, docs, block_size, docs.shape[1])
+    torch.cuda.synchronize()
+    extra = (torch.cuda.max_memory_allocated() - before) / 2**20
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        build(anchors, docs, block_size, docs.shape[1])
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - began)
+    return {"extra_peak_mib": round(extra, 1), "ms": round(min(times) * 1e3, 1)}
+
+
+def kernel_checks(smoke: bool) -> list[Check]:
+    """The mask at the recipe's shape; on CUDA, flex against the two-part kernel and bf16."""
+    import torch
+    from flex_mask import layout, measure
+
+    from dflash.model.attention import flex_block_mask
+
+    tokens, documents, anchors = (1024, 4, 64) if smoke else (8192, 4, 512)
+    shape = layout(tokens, documents, anchors, 16)
+    if torch.cuda.is_available():
+        mask = cuda_measure(flex_block_mask, *(t.cuda() for t in shape), 16)
+    else:
+        mask = measure(flex_block_mask, *shape, 16, repeats=3)
+    checks = [
+        Check("mask_extra_peak_mib", mask["extra_peak_mib"], "<= 64", mask["extra_peak_mib"] <= 64),
+        Check("mask_build_ms", mask["ms"], "<= 50", mask["ms"] <= 50),
+    ]
+    if not torch.cuda.is_available():
+        return checks
+    import gpu_check_model
+
+    figures = gpu_check_model.figures()
+    limits = {
+        "flex_vs_two_part_loss_abs_diff": 1e-4,
+        "flex_vs_two_part_grad_rel_diff": 1e-3,
+        "bf16_vs_fp32_loss_rel_diff": 2e-2,
+    }
+    checks += [Check(k, figures[k], f"<= {v}", figures[k] <= v) for k, v in limits.items()]
+    checks.append(Check("generate_lossless_fp32", figures["generate_lossless_fp32"], "true",
+                        figures["generate_lossless_fp32"]))  # fmt: skip
+    return checks
+
+
+# ---------------------------------------------------------------- driver
+def run_all(groups: dict[str, Callable[[], list[Check]]]) -> int:
+    failed = 0
+    for name, group in groups.items():
+        try:
+            checks = group()
+        except Exception as err:  # a crashed group is a failed check, and the others still run
+            checks = [Check(name, f"{type(err).__name__}: {err}"[-2000:], "runs", False)]
+        for check in checks:
+            print(check.line(), flush=True)
+            failed += not check.passed
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs without a GPU")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary workspaces")
+    args = parser.parse_args()
+    import torch
+
+    if not args.smoke and not torch.cuda.is_available():
+        print(Check("cuda_available", False, "a CUDA device (or --smoke)", False).line())
+        return 1
+    root = Path(tempfile.mkdtemp(prefix="dflash-acceptance-"))
+    try:
+        return run_all(
+            {
+                "kernels": lambda: kernel_checks(args.smoke),
+                "pipeline": lambda: pipeline_checks(root, args.smoke),
+            }
+        )
+    finally:
+        if args.keep:
+            print(f"workspaces kept in {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
