@@ -19,9 +19,13 @@ class DataConfig(Section):
     source: str = "chitchat"
     """``chitchat`` (the PyPI package) or a ``.jsonl`` / ``.parquet`` file under data/raw/."""
     eval_fraction: Float = Field(0.05, ge=0.0, le=0.5)
+    """Share of conversations held out for evaluation, split deterministically by content."""
     max_seq_len: Int = Field(1024, ge=8)
+    """Longest sample in tokens; longer ones follow ``overlength``."""
     overlength: Literal["truncate", "drop"] = "truncate"
+    """What a sample longer than ``max_seq_len`` becomes: cut to it, or left out (counted)."""
     regenerate: bool = True
+    """Train on the target's own answers, as DFlash does; false keeps the corpus's answers."""
     max_conversations: Int | None = Field(None, ge=1)
     """Keep only the first N conversations after ingest (None = all); for quick runs."""
     chunk_size: Int = Field(1024, ge=1)
@@ -45,22 +49,32 @@ class TokenizerConfig(Section):
     path: str | None = None
     """An existing Hugging Face tokenizer directory; None trains a byte-level BPE."""
     vocab_size: Int = Field(4096, ge=300)
+    """Vocabulary of the trained BPE (ignored with ``path``)."""
 
 
 class TargetConfig(Section):
     path: str | None = None
     """A Hugging Face causal-LM directory; None builds and pretrains the tiny default."""
     num_hidden_layers: Int = Field(6, ge=4)
+    """Decoder layers of the tiny default target."""
     hidden_size: Int = Field(128, ge=16)
+    """Hidden size of the tiny default target."""
     intermediate_size: Int = Field(384, ge=1)
+    """MLP width of the tiny default target."""
     num_attention_heads: Int = Field(4, ge=1)
+    """Attention heads of the tiny default target."""
     num_key_value_heads: Int = Field(2, ge=1)
+    """Key/value heads of the tiny default target (grouped-query attention)."""
     pretrain_epochs: Int = Field(2, ge=0)
+    """Epochs of the tiny default target's pretraining on the corpus."""
     pretrain_lr: Float = Field(1.0e-2, ge=0.0)
+    """Peak learning rate of that pretraining."""
     pretrain_batch_tokens: Int = Field(4096, ge=1)
+    """Tokens per pretraining batch: small batches, many steps."""
     end_token_weight: Float = Field(1.0, ge=1.0)
     """Loss weight of the end-of-turn token in pretraining; w > 1 makes turns end sooner."""
     seed: Int = Field(0, ge=0)
+    """Seed of the tiny target's initialisation and pretraining order."""
 
     @model_validator(mode="after")
     def _heads(self) -> TargetConfig:
@@ -84,10 +98,13 @@ class RegenerateConfig(Section):
     temperature: Float = Field(0.0, ge=0.0)
     """0 = greedy, as DFlash trains on the target's own greedy outputs."""
     max_new_tokens: Int = Field(48, ge=1)
+    """Longest regenerated answer; a longer one is cut and counted as unterminated."""
     batch_size: Int = Field(32, ge=1)
+    """Prompts per ``generate`` call in process (transformers backend)."""
     shard_size: Int = Field(256, ge=1)
     """Conversations per written shard; an interrupted run resumes at the next shard."""
     seed: Int = Field(0, ge=0)
+    """Seed of sampling when ``temperature`` > 0."""
     backend: Literal["transformers", "openai"] = "transformers"
     """``transformers`` generates in this process; ``openai`` asks serving engines (vLLM,
     SGLang, ``transformers serve``) through their OpenAI-compatible API."""
@@ -116,12 +133,15 @@ class RegenerateConfig(Section):
 
 class DrafterConfig(Section):
     block_size: Int = Field(16, ge=2)
+    """Tokens per drafted block, the anchor included (paper: 16)."""
     num_hidden_layers: Int = Field(1, ge=1)
+    """Drafter layers (paper: 5)."""
     num_target_features: Int = Field(3, ge=1)
     """How many target layers' hidden states are fused (paper: 5)."""
     gamma: Float = Field(7.0, ge=1e-6)
     """Loss decay: slot k weighs exp(-(k-1)/gamma)."""
     anchors_per_sequence: Int = Field(512, ge=1)
+    """Blocks trained per document per epoch, anchored at random answer positions (paper: 512)."""
     mask_token: str | None = Field(None, min_length=1)
     """An existing token the drafter fills blocks with (a reserved special token of a target
     with no spare embedding rows); None adds ``<|MASK|>`` to the tokenizer when missing."""
@@ -129,11 +149,18 @@ class DrafterConfig(Section):
 
 class BatchingConfig(Section):
     strategy: Literal["sorted", "shuffle", "bucketed", "packed"] = "bucketed"
+    """How samples become micro-batches (docs/batching.md)."""
     token_budget: Int = Field(16384, ge=1)
+    """Padded tokens (rows x longest row) per micro-batch; a packed row holds up to this many."""
     max_batch_size: Int = Field(64, ge=1)
+    """Rows per micro-batch at most."""
     num_buckets: Int = Field(6, ge=1)
+    """Length buckets of ``bucketed``."""
     boundaries: Literal["optimal", "quantile", "token_mass"] | list[Int] = "optimal"
+    """How ``bucketed`` draws its bucket edges: the exact optimum, equal counts, equal tokens,
+    or the given edges."""
     seed: Int = Field(0, ge=0)
+    """Seed of every plan's shuffles (with the epoch)."""
 
     @field_validator("boundaries")
     @classmethod
@@ -145,20 +172,33 @@ class BatchingConfig(Section):
 
 class TrainConfig(Section):
     epochs: Int = Field(6, ge=1)
+    """Passes over the training samples."""
     world_size: Int = Field(2, ge=1)
+    """Training processes; the plans are made for this many ranks."""
     grad_accum: Int = Field(1, ge=1)
+    """Micro-batches per rank per optimizer step."""
     lr: Float = Field(6.0e-4, ge=0.0)
+    """Peak AdamW learning rate (cosine schedule after warm-up)."""
     warmup_ratio: Float = Field(0.04, ge=0.0, le=1.0)
+    """Share of the steps spent warming the learning rate up linearly."""
     weight_decay: Float = Field(0.0, ge=0.0)
+    """AdamW weight decay."""
     betas: tuple[Float, Float] = Field((0.9, 0.95), strict=False)
+    """AdamW betas."""
     clip_grad: Float = Field(1.0, ge=0.0)
+    """Total gradient norm each step is clipped to."""
     checkpoint_every: Int = Field(50, ge=1)
+    """Optimizer steps between checkpoints: a run knob."""
     keep_checkpoints: Int = Field(3, ge=1)
+    """Newest checkpoints kept on disk: a run knob."""
     max_nonfinite_steps: Int = Field(10, ge=1)
     """Consecutive non-finite losses tolerated (each skips its step) before the run stops."""
     num_workers: Int = Field(1, ge=0)
+    """DataLoader worker processes per rank: a run knob."""
     prefetch: Int = Field(4, ge=1)
+    """Micro-batches each loader worker prepares ahead: a run knob."""
     seed: Int = Field(0, ge=0)
+    """Seed of the drafter's initialisation and of anchor draws."""
     recompute: bool = False
     """Recompute the drafter's layer activations in backward (same gradients, less memory):
     a run knob, for the token budgets that do not fit otherwise (bench/gpu_memory.py)."""
@@ -212,11 +252,14 @@ class PromptSetConfig(Section):
 
 class EvaluateConfig(Section):
     num_prompts: Int = Field(64, ge=1)
+    """Held-out prompts decoded."""
     max_new_tokens: Int = Field(48, ge=1)
+    """Longest decoded answer."""
     near_tie_margin: Float = Field(0.05, ge=0.0)
     """A divergence from greedy whose top-2 target logits are this close is a near-tie
     (rounding, e.g. bf16 on GPU), counted apart from real lossless mismatches."""
     seed: Int = Field(0, ge=0)
+    """Seed of the prompt draw, the cut before an assistant turn and the bootstrap."""
     chat_template_kwargs: TemplateOptions | None = None
     """Template options for the prompts scored; None = data.chat_template_kwargs."""
     sets: dict[Annotated[str, Field(pattern=SET_NAME)], PromptSetConfig] = {}
@@ -241,8 +284,11 @@ class ExportConfig(Section):
 
 class LoggingConfig(Section):
     wandb: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode, rank 0 only; DVCLive always logs."""
     every: Int = Field(10, ge=1)
+    """Optimizer steps between log rows and simulated-τ measurements."""
     project: str = "dflash"
+    """wandb project name: a run knob."""
 
 
 class Config(BaseModel):
