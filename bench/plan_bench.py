@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import time
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 
 from dflash.batching.boundaries import METHODS, boundaries_by, predicted_efficiency
+from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 from dflash.batching.metrics import WINDOW, epoch_metrics, overall, structure
 from dflash.batching.params import PlanParams
 from dflash.batching.plan import plan_epoch
@@ -73,7 +75,7 @@ def strategy_row(lengths: np.ndarray, params: PlanParams, epochs: int) -> dict[s
         figures, previous, worst = [], None, 1.0
         for epoch in range(epochs):
             table = plan_epoch(lengths, params, epoch)
-            epoch_figures, previous = epoch_metrics(table, lengths.size, previous)
+            epoch_figures, previous = epoch_metrics(table, lengths.size, previous, params.cost)
             figures.append(epoch_figures)
             window = worst_window_mean(table.column("length").to_numpy())
             worst = window if abs(window - 1) > abs(worst - 1) else worst
@@ -81,6 +83,10 @@ def strategy_row(lengths: np.ndarray, params: PlanParams, epochs: int) -> dict[s
 
     _, plan_seconds, _ = measure(lambda: [plan_epoch(lengths, params, e) for e in range(epochs)])
     summary, total_seconds, peak = measure(run, trace=True)
+    by_tokens = plan_epoch(lengths, replace(params, cost=BY_PADDED_TOKENS), 0)
+    summary["cost_imbalance_by_tokens"] = epoch_metrics(by_tokens, lengths.size, None, params.cost)[
+        0
+    ]["cost_imbalance"]
     return {**summary, "s_per_epoch": plan_seconds / epochs, "total_s": total_seconds, "peak": peak}
 
 
@@ -99,6 +105,9 @@ def main() -> None:
     parser.add_argument("--num-buckets", type=int, default=6)
     parser.add_argument("--bucket-counts", default="1,2,4,6,8,12,16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--anchors", type=int, default=512, help="drafter anchors per document")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--slot-cost", type=float, default=0.5, help="a block slot, in tokens")
     args = parser.parse_args()
 
     lengths = longtail_lengths(args.samples, args.seed)
@@ -109,26 +118,30 @@ def main() -> None:
         max_batch_size=args.max_batch_size,
         world_size=args.world_size,
         seed=args.seed,
+        cost=CostModel(args.anchors, args.block_size, args.slot_cost),
     )
     print(
         f"{lengths.size:,} samples, mean {lengths.mean():.0f}, max {lengths.max()}, "
         f"token_budget {args.token_budget}, max_seq_len {args.max_seq_len}, "
-        f"max_batch_size {args.max_batch_size}, {args.world_size} ranks, {args.epochs} epochs\n"
+        f"max_batch_size {args.max_batch_size}, {args.world_size} ranks, {args.epochs} epochs; "
+        f"cost: {args.anchors} anchors per document, block {args.block_size}, "
+        f"slot cost {args.slot_cost}\n"
     )
     print(
-        "| strategy | efficiency | rank_imbalance | frozen_batch_fraction | pair_overlap "
+        "| strategy | efficiency | rank_imbalance | cost_imbalance | dealt by tokens "
+        "| frozen_batch_fraction | pair_overlap "
         "| window_ks | worst window mean / epoch's | s/epoch (plan) "
         "| all epochs + metrics, traced (s) | peak MiB |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     as_list = lengths.tolist()
     batches, ref_seconds, _ = measure(
         lambda: reference_greedy(as_list, args.token_budget, args.max_batch_size)
     )
     padded = sum(len(b) * max(as_list[i] for i in b) for b in batches)
     print(
-        f"| reference (Python, sorted greedy, 1 epoch) | {fmt(lengths.sum() / padded)} | - | 1 "
-        f"| 1 | - | - | {ref_seconds:.2f} | - | - |"
+        f"| reference (Python, sorted greedy, 1 epoch) | {fmt(lengths.sum() / padded)} | - | - "
+        f"| - | 1 | 1 | - | - | {ref_seconds:.2f} | - | - |"
     )
     optimal = tuple(boundaries_by("optimal", lengths, args.num_buckets))
     for strategy in STRATEGIES:
@@ -139,6 +152,7 @@ def main() -> None:
         name = f"{strategy} (optimal, K={args.num_buckets})" if strategy == "bucketed" else strategy
         print(
             f"| {name} | {fmt(r['padding_efficiency'])} | {fmt(r['rank_imbalance'])} "
+            f"| {fmt(r['cost_imbalance'])} | {fmt(r['cost_imbalance_by_tokens'])} "
             f"| {fmt(r['frozen_batch_fraction'])} | {fmt(r['pair_overlap'])} "
             f"| {fmt(r['window_ks'])} | {fmt(r['worst_window_mean'], 3)} "
             f"| {r['s_per_epoch']:.2f} | {r['total_s']:.1f} "

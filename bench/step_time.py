@@ -8,7 +8,8 @@ ones of the pipeline's) are laid out by each strategy as its epoch 0 lays them o
 its backward. The strategies' micro-batches are timed in turn, one of each at a time (the order
 flipping every time), for ``--passes`` passes, so the machine's drift hits all alike; each
 micro-batch counts its fastest pass. It prints milliseconds per 1,000 real tokens of each part,
-and the step against the best of ``sorted`` and ``bucketed``.
+and the step against the best of ``sorted`` and ``bucketed``, then the measured cost of one
+drafter block slot in target tokens (``batching.slot_cost``).
 
 End-to-end epochs (``bench/train_throughput.py``) add the data loader and the ranks' waits,
 and vary by 5-10% from run to run here; this isolates what a strategy's layout costs per token.
@@ -164,6 +165,20 @@ def compare(args: argparse.Namespace, sets: list[str], subset: int | None) -> No
         f"{args.passes} passes per micro-batch, ms per 1,000 real tokens"
     )
     print_table(batches, best)
+    print_slot_cost(batches, best, d.block_size)
+
+
+def print_slot_cost(
+    batches: dict[str, list[MicroBatch]], best: dict[str, np.ndarray], block_size: int
+) -> None:
+    """One drafter block slot's time (forward and backward) in target tokens' feature time:
+    the ``batching.slot_cost`` that deals these shapes' ranks equal work."""
+    for name, mbs in batches.items():
+        seconds = best[name].sum(0)
+        slots = block_size * sum(int((mb.anchors >= 0).sum()) for mb in mbs)
+        tokens = sum(mb.padded_tokens for mb in mbs)
+        ratio = (seconds[1] + seconds[2]) / slots / (seconds[0] / tokens)
+        print(f"{name}: slot cost {ratio:.3f} target tokens ({slots:,} slots, {tokens:,} tokens)")
 
 
 def print_table(batches: dict[str, list[MicroBatch]], best: dict[str, np.ndarray]) -> None:

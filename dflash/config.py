@@ -161,6 +161,11 @@ class BatchingConfig(Section):
     or the given edges."""
     seed: Int = Field(0, ge=0)
     """Seed of every plan's shuffles (with the epoch)."""
+    slot_cost: Float = Field(0.5, ge=0.0)
+    """One drafter block slot's training cost in target tokens, for dealing micro-batches to
+    ranks by cost (``dflash.batching.cost``); about 0.5 for the paper's recipe (a 5-layer
+    drafter with the LM head, forward and backward, against a 36-layer target's forward);
+    ``bench/step_time.py`` measures it. 0 deals by padded tokens alone."""
 
     @field_validator("boundaries")
     @classmethod

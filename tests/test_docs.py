@@ -22,7 +22,7 @@ def tracked(*patterns: str) -> list[Path]:
 
 
 def test_configuration_page_is_generated_from_the_params():
-    page = ROOT / "docs" / "configuration.md"
+    page = ROOT / "docs/configuration.md"
     assert page.read_text() == render(), (
         "docs/configuration.md is stale: python -m dflash.config_doc docs/configuration.md"
     )

@@ -1,9 +1,10 @@
 """Deal micro-batches to optimizer steps and data-parallel ranks, then lay out the table.
 
-Micro-batches of similar padded size share a step (sorted by size, chunked by
+Micro-batches of similar cost share a step (sorted by cost, chunked by
 ``world_size × grad_accum``), steps run in random order, and inside a step the micro-batches
-are dealt largest first, each round of ``world_size`` to the ranks with the least padded
-tokens so far (LPT). Ranks of a step then carry nearly equal work and none waits.
+are dealt costliest first, each round of ``world_size`` to the ranks with the least cost so
+far (LPT). Ranks of a step then carry nearly equal work and none waits. The cost is the
+padded tokens, plus the drafter's block slots under a ``CostModel`` (``dflash.batching.cost``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 from dflash.batching.io import SCHEMA
 from dflash.batching.layout import Layout, split_to_multiple
 
@@ -31,27 +33,29 @@ def distribute(
     grad_accum: int,
     epoch: int,
     rng: np.random.Generator,
+    cost_model: CostModel = BY_PADDED_TOKENS,
 ) -> pa.Table:
     """The epoch's plan table in plan order (step, rank, micro, row, offset)."""
     per_step = world_size * grad_accum
     layout = split_to_multiple(layout, per_step)
-    padded = padded_sizes(layout, lengths)
-    n_mb = padded.size
+    mb_starts = np.flatnonzero(layout.mb_begin)
+    cost = cost_model.of(padded_sizes(layout, lengths), lengths[layout.order], mb_starts)
+    n_mb = cost.size
     n_steps = n_mb // per_step
 
-    by_size = np.lexsort((rng.random(n_mb), padded))
+    by_size = np.lexsort((rng.random(n_mb), cost))
     groups = by_size.reshape(n_steps, per_step)[:, ::-1]
     step = np.empty(n_mb, dtype=np.int64)
     step[groups] = rng.permutation(n_steps)[:, None]
     rank = np.empty(n_mb, dtype=np.int64)
     micro = np.empty(n_mb, dtype=np.int64)
-    load = np.zeros((n_steps, world_size), dtype=np.int64)
+    load = np.zeros((n_steps, world_size), dtype=np.float64)
     for g in range(grad_accum):
         dealt = groups[:, g * world_size : (g + 1) * world_size]
         lightest = np.argsort(load, axis=1, kind="stable")
         rank[dealt] = lightest
         micro[dealt] = g
-        np.put_along_axis(load, lightest, np.take_along_axis(load, lightest, 1) + padded[dealt], 1)
+        np.put_along_axis(load, lightest, np.take_along_axis(load, lightest, 1) + cost[dealt], 1)
     slot = (step * world_size + rank) * grad_accum + micro
     return _table(layout, lengths, slot, epoch, world_size, grad_accum)
 

@@ -1,10 +1,12 @@
 """Figures of one epoch's plan: padding, rank balance, and how random the batches are.
 
-Definitions (issue 3): padding efficiency = Σ length / Σ padded; rank imbalance = mean over
-steps of (max rank padded / mean rank padded − 1); frozen batch fraction = share of
-micro-batches whose sample set is one of the previous epoch; pair overlap = share of sample
-pairs batched together that were together in the previous epoch; window KS = mean
-Kolmogorov–Smirnov statistic of each window of 4,096 samples in plan order against the epoch.
+Definitions: padding efficiency = Σ length / Σ padded; rank imbalance = mean over steps of
+(max rank padded / mean rank padded − 1); cost imbalance = the same over each rank's cost
+(``dflash.batching.cost``: padded tokens plus the drafter's block slots); frozen batch
+fraction = share of micro-batches whose sample set is one of the previous epoch; pair
+overlap = share of sample pairs batched together that were together in the previous epoch;
+window KS = mean Kolmogorov–Smirnov statistic of each window of 4,096 samples in plan order
+against the epoch.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 
 WINDOW = 4096
 
@@ -71,9 +75,12 @@ def micro_batch_of_sample(s: Structure, n_samples: int) -> np.ndarray:
     return out
 
 
-def rank_imbalance(s: Structure) -> float:
+def rank_imbalance(s: Structure, weights: np.ndarray | None = None) -> float:
+    """Mean over steps of max/mean load per rank − 1; the load is padded tokens, or ``weights``
+    per micro-batch."""
     n_steps, world = int(s.mb_step.max()) + 1, int(s.mb_rank.max()) + 1
-    load = np.bincount(s.mb_step * world + s.mb_rank, weights=s.padded, minlength=n_steps * world)
+    weights = s.padded if weights is None else weights
+    load = np.bincount(s.mb_step * world + s.mb_rank, weights=weights, minlength=n_steps * world)
     load = load.reshape(n_steps, world)
     return float(np.mean(load.max(axis=1) / load.mean(axis=1) - 1.0))
 
@@ -121,10 +128,14 @@ def window_ks(lengths_in_order: np.ndarray, window: int = WINDOW) -> float:
 
 
 def epoch_metrics(
-    table: pa.Table, n_samples: int, previous: np.ndarray | None
+    table: pa.Table,
+    n_samples: int,
+    previous: np.ndarray | None,
+    cost_model: CostModel = BY_PADDED_TOKENS,
 ) -> tuple[dict[str, Any], np.ndarray]:
     """The epoch's figures, and its micro-batch id per sample for the next epoch's."""
     s = structure(table)
+    cost = cost_model.of(s.padded, s.length, np.flatnonzero(np.diff(s.mb_id, prepend=-1)))
     current = micro_batch_of_sample(s, n_samples)
     real, padded = int(s.length.sum(dtype=np.int64)), int(s.padded.sum())
     figures = {
@@ -136,6 +147,7 @@ def epoch_metrics(
         "padded_tokens": padded,
         "padding_efficiency": real / padded,
         "rank_imbalance": rank_imbalance(s),
+        "cost_imbalance": rank_imbalance(s, cost),
         "frozen_batch_fraction": None
         if previous is None
         else frozen_batch_fraction(current, previous),
@@ -158,6 +170,7 @@ def overall(epochs: list[dict[str, Any]]) -> dict[str, Any]:
         "padded_tokens": padded,
         "padding_efficiency": real / padded,
         "rank_imbalance": sum(e["rank_imbalance"] * e["n_steps"] for e in epochs) / steps,
+        "cost_imbalance": sum(e["cost_imbalance"] * e["n_steps"] for e in epochs) / steps,
         "frozen_batch_fraction": _mean([e["frozen_batch_fraction"] for e in later]),
         "pair_overlap": _mean([e["pair_overlap"] for e in later]),
         "window_ks": _mean([e["window_ks"] for e in epochs]),

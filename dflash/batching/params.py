@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
+
 
 @dataclass(frozen=True)
 class PlanParams:
@@ -17,3 +19,5 @@ class PlanParams:
     seed: int = 0
     boundaries: tuple[int, ...] | None = None
     """Resolved bucket edges; only ``bucketed`` uses them."""
+    cost: CostModel = BY_PADDED_TOKENS
+    """How micro-batches are weighed when dealt to ranks (padded tokens alone by default)."""

@@ -20,6 +20,7 @@ import pyarrow as pa
 from dflash import paths
 from dflash.batching import io
 from dflash.batching.boundaries import METHODS, boundaries_by, explicit_boundaries
+from dflash.batching.cost import CostModel
 from dflash.batching.distribute import distribute
 from dflash.batching.errors import BatchingError
 from dflash.batching.lengths import check_lengths, read_lengths
@@ -42,13 +43,16 @@ def plan_epoch(lengths: np.ndarray, params: PlanParams, epoch: int) -> pa.Table:
     check_lengths(lengths, params.max_seq_len, params.token_budget)
     rng = np.random.default_rng([params.seed, epoch])
     layout = STRATEGIES[params.strategy](lengths, params, rng)
-    return distribute(layout, lengths, params.world_size, params.grad_accum, epoch, rng)
+    return distribute(
+        layout, lengths, params.world_size, params.grad_accum, epoch, rng, params.cost
+    )
 
 
 def plan_meta(lengths: np.ndarray, params: PlanParams, epochs: int) -> dict[str, Any]:
     """What a plan was made from; a trainer compares it with its own run before using it."""
     meta = asdict(params)
     meta["boundaries"] = list(params.boundaries) if params.boundaries is not None else None
+    meta["cost"] = asdict(params.cost)
     return {
         "lengths_sha256": io.lengths_fingerprint(lengths),
         "n_samples": int(lengths.size),
@@ -73,7 +77,7 @@ def write_plans(
     with atomic_dir(out_dir) as tmp:
         for epoch in range(epochs):
             table = plan_epoch(lengths, params, epoch)
-            figures, previous = epoch_metrics(table, lengths.size, previous)
+            figures, previous = epoch_metrics(table, lengths.size, previous, params.cost)
             io.write_epoch(table, io.epoch_path(tmp, epoch), meta)
             per_epoch.append(figures)
         summary = {**overall(per_epoch), "epochs": per_epoch, "meta": meta}
@@ -127,6 +131,11 @@ def params_from_config(config: Config, lengths: np.ndarray) -> PlanParams:
         grad_accum=config.train.grad_accum,
         seed=b.seed,
         boundaries=boundaries,
+        cost=CostModel(
+            anchors_per_document=config.drafter.anchors_per_sequence,
+            block_size=config.drafter.block_size,
+            slot_cost=b.slot_cost,
+        ),
     )
 
 
@@ -142,7 +151,7 @@ def run(config: Config) -> None:
 
 
 def _headline(summary: dict[str, Any]) -> str:
-    keys = ("n_steps", "padding_efficiency", "rank_imbalance", "frozen_batch_fraction")
+    keys = ("n_steps", "padding_efficiency", "cost_imbalance", "frozen_batch_fraction")
     return ", ".join(
         f"{k}={summary[k]:.4g}" if summary[k] is not None else f"{k}=n/a" for k in keys
     )
@@ -167,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         "--boundaries", default="optimal", help="optimal | quantile | token_mass | b0,b1,..."
     )
     parser.add_argument("--num-buckets", type=at_least(1), default=6)
+    parser.add_argument("--anchors", type=at_least(0), default=0, help="drafter anchors/document")
+    parser.add_argument("--block-size", type=at_least(1), default=16)
+    parser.add_argument(
+        "--slot-cost", type=float, default=0.0, help="a block slot's cost in target tokens"
+    )
     parser.add_argument("--out", required=True, help="directory for the epoch files")
     args = parser.parse_args(argv)
     try:
@@ -179,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             world_size=args.world_size,
             grad_accum=args.grad_accum,
             seed=args.seed,
+            cost=CostModel(args.anchors, args.block_size, args.slot_cost),
         )
         if args.strategy == "bucketed":
             spec = args.boundaries
