@@ -4,7 +4,8 @@ DFlash reads the outputs of ``n`` target decoder layers spread from the second l
 third-to-last and concatenates them, so the drafter sees both shallow and deep views of the
 context. Rows may be packed with several documents; the target must then attend only inside a
 document, with positions restarting at each document, so a packed row yields exactly the
-features its documents would yield one by one.
+features its documents would yield one by one. A target that mixes tokens other than by
+attention takes its packed rows one document per row instead (:mod:`dflash.model.mixing`).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from dflash.model.document_attention import DocumentLayout, document_attention
+from dflash.model.document_attention import DocumentLayout, ExactPathNeeded, document_attention
+from dflash.model.mixing import by_document_rows, refuse, unconfined
 
 
 def select_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
@@ -78,6 +81,9 @@ def target_features(
             f"{tuple(input_ids.shape)}, {tuple(position_ids.shape)}, {tuple(document_ids.shape)}"
         )
     layers, deepest = decoder_layers(target), max(layer_ids)
+    packed = not one_document_per_row(document_ids)
+    if packed and unconfined(target, layers, deepest + 1):
+        return _exact(target, input_ids, document_ids, layer_ids)
     captured: dict[int, Tensor] = {}
 
     def capture(index: int):
@@ -86,7 +92,7 @@ def target_features(
 
         return hook
 
-    if one_document_per_row(document_ids):
+    if not packed:
         packing, layout = contextlib.nullcontext(), {}
         # Equal on the real tokens; on padding, a position restarting at 0 would make Hugging
         # Face read the rows as packed and build a dense [R, 1, T, T] mask.
@@ -102,8 +108,27 @@ def target_features(
             target.base_model(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, **layout
             )
+    except ExactPathNeeded:
+        if _sharded(target):  # its other ranks went on with the forward: no second one here
+            raise
+        refuse(target)
+        return _exact(target, input_ids, document_ids, layer_ids)
     finally:
         for handle in handles:
             handle.remove()
     features = torch.cat([captured[i] for i in layer_ids], dim=-1)
     return features * (document_ids >= 0)[..., None].to(features.dtype)
+
+
+def _exact(target: nn.Module, input_ids: Tensor, document_ids: Tensor, layer_ids: list[int]):
+    """Features of packed rows computed one document per row (exact for any target)."""
+
+    def run(ids: Tensor, positions: Tensor, documents: Tensor) -> Tensor:
+        return target_features(target, ids, positions, documents, layer_ids)
+
+    return by_document_rows(run, input_ids, document_ids)
+
+
+def _sharded(target: nn.Module) -> bool:
+    """Whether ``target``'s forward is a collective (FSDP2): every rank must run the same ones."""
+    return any(isinstance(p, DTensor) for p in target.parameters())
