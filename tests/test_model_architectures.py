@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers as tf
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from dflash.model import document_attention
 from dflash.model.features import decoder_layers, select_features, target_features
 from dflash.model.mixing import by_document_rows, mixers, pointwise, unconfined
+from dflash.train.parallel import shard_target
 
 LENGTHS = [9, 14, 7]
 """Three documents in one row: longer than the sliding windows below, so tiles run too."""
@@ -204,3 +207,47 @@ def test_document_rows_put_every_feature_back_in_place(monkeypatch):
     starts = document_attention.DocumentLayout.of(docs).starts
     assert torch.equal(got[..., 1], (torch.arange(12) - starts) * real)
     assert len(seen) == 2  # widths 4 and 8
+
+
+def test_agreed_calls_change_no_feature():
+    """Ranks of a sharded target run as many forwards as the busiest: the extra ones are dropped."""
+    ids, pos, docs = packed_row(96)
+    calls = []
+
+    def run(ids, positions, documents):
+        calls.append(ids.shape)
+        return ids[..., None].float() * (documents >= 0)[..., None]
+
+    got = by_document_rows(run, ids, docs, agree=lambda n, device: n + 2)
+    assert torch.equal(got, ids[..., None].float()) and calls[:2] == [(1, 1)] * 2
+    assert len(calls) == 3  # two extra, then the one length class of 9, 14 and 7 tokens
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of this process alone: FSDP shards over one rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss"])
+def test_a_sharded_target_is_judged_and_exact_alike(name, world_of_one, monkeypatch):
+    """FSDP2 renames the layers' classes; the verdict and the features stay, and a hybrid
+    target's ranks agree on their forwards even on rows of one document."""
+    model = build(name)
+    ids, pos, docs = packed_row(model.config.vocab_size)
+    want = alone(model, ids)
+    shard_target(model, init_device_mesh("cpu", (1,)))
+    assert type(decoder_layers(model)[0]).__name__.startswith("FSDP")
+    agreed = []
+    reduce = dist.all_reduce
+    monkeypatch.setattr(
+        dist, "all_reduce", lambda t, **kw: agreed.append(int(t)) or reduce(t, **kw)
+    )
+    got = target_features(model, ids, pos, docs, LAYERS)
+    assert (got - want).abs().max() <= 1e-5
+    target_features(model, ids[:, :9], pos[:, :9], docs[:, :9], LAYERS)  # one document
+    assert agreed == ([1, 1] if TARGETS[name][1] == "rows" else [])

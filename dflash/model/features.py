@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
@@ -80,11 +81,36 @@ def target_features(
             "input_ids, position_ids and document_ids must all be [R, T]; got "
             f"{tuple(input_ids.shape)}, {tuple(position_ids.shape)}, {tuple(document_ids.shape)}"
         )
-    layers, deepest = decoder_layers(target), max(layer_ids)
-    packed = not one_document_per_row(document_ids)
-    if packed and unconfined(target, layers, deepest + 1):
-        return _exact(target, input_ids, document_ids, layer_ids)
-    captured: dict[int, Tensor] = {}
+    packed, sharded = not one_document_per_row(document_ids), _sharded(target)
+    # A sharded target's forwards are collectives: its ranks all go one way, one row or packed.
+    if (packed or sharded) and unconfined(target, decoder_layers(target), max(layer_ids) + 1):
+        return _by_rows(target, input_ids, document_ids, layer_ids, sharded)
+    if not packed:
+        # Equal on the real tokens; on padding, a position restarting at 0 would make Hugging
+        # Face read the rows as packed and build a dense [R, 1, T, T] mask.
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return _features(target, input_ids, positions.expand_as(input_ids), document_ids, layer_ids)
+    layout = DocumentLayout.of(document_ids)
+    try:
+        with document_attention(target):
+            return _features(target, input_ids, position_ids, document_ids, layer_ids, layout)
+    except ExactPathNeeded:
+        if sharded:  # its other ranks went on with the forward: no second one here
+            raise
+        refuse(target)
+        return _by_rows(target, input_ids, document_ids, layer_ids, sharded)
+
+
+def _features(
+    target: nn.Module,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    document_ids: Tensor,
+    layer_ids: list[int],
+    layout: DocumentLayout | None = None,
+) -> Tensor:
+    """One forward of the target's first layers, keeping the fused layers' outputs."""
+    layers, captured = decoder_layers(target), {}
 
     def capture(index: int):
         def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
@@ -92,27 +118,13 @@ def target_features(
 
         return hook
 
-    if not packed:
-        packing, layout = contextlib.nullcontext(), {}
-        # Equal on the real tokens; on padding, a position restarting at 0 would make Hugging
-        # Face read the rows as packed and build a dense [R, 1, T, T] mask.
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
-            input_ids
-        )
-    else:
-        packing = document_attention(target)
-        layout = {"document_layout": DocumentLayout.of(document_ids)}
+    extra = {} if layout is None else {"document_layout": layout}
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        with packing, _first_layers(target, deepest + 1):
+        with _first_layers(target, max(layer_ids) + 1):
             target.base_model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, **layout
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
             )
-    except ExactPathNeeded:
-        if _sharded(target):  # its other ranks went on with the forward: no second one here
-            raise
-        refuse(target)
-        return _exact(target, input_ids, document_ids, layer_ids)
     finally:
         for handle in handles:
             handle.remove()
@@ -120,15 +132,24 @@ def target_features(
     return features * (document_ids >= 0)[..., None].to(features.dtype)
 
 
-def _exact(target: nn.Module, input_ids: Tensor, document_ids: Tensor, layer_ids: list[int]):
-    """Features of packed rows computed one document per row (exact for any target)."""
+def _by_rows(
+    target: nn.Module, input_ids: Tensor, document_ids: Tensor, layer_ids: list[int], sharded: bool
+) -> Tensor:
+    """Features computed one document per row (exact for any target); a sharded target's
+    ranks first agree on how many forwards they run."""
 
     def run(ids: Tensor, positions: Tensor, documents: Tensor) -> Tensor:
-        return target_features(target, ids, positions, documents, layer_ids)
+        return _features(target, ids, positions, documents, layer_ids)
 
-    return by_document_rows(run, input_ids, document_ids)
+    return by_document_rows(run, input_ids, document_ids, _most_over_ranks if sharded else None)
 
 
 def _sharded(target: nn.Module) -> bool:
     """Whether ``target``'s forward is a collective (FSDP2): every rank must run the same ones."""
     return any(isinstance(p, DTensor) for p in target.parameters())
+
+
+def _most_over_ranks(n: int, device: torch.device) -> int:
+    count = torch.tensor([n], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)

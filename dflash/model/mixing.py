@@ -110,24 +110,34 @@ def refuse(target: nn.Module) -> None:
 
 
 def by_document_rows(
-    run: Callable[[Tensor, Tensor, Tensor], Tensor], input_ids: Tensor, document_ids: Tensor
+    run: Callable[[Tensor, Tensor, Tensor], Tensor],
+    input_ids: Tensor,
+    document_ids: Tensor,
+    agree: Callable[[int, torch.device], int] | None = None,
 ) -> Tensor:
     """``run``'s features ``[R, T, F]`` of packed rows, computed on one document per row.
 
     ``run(input_ids, position_ids, document_ids)`` sees rows of one document each, a length
     class at a time (:meth:`DocumentLayout.documents`: padded to a multiple of
-    ``LENGTH_STEP``), so no layer can see across documents; zero on padding.
+    ``LENGTH_STEP``), so no layer can see across documents; zero on padding. ``agree`` turns
+    this call's number of ``run`` calls into the one every rank makes (the most of them); the
+    extra calls run on one token and are dropped.
     """
     R, T = input_ids.shape
+    classes = DocumentLayout.of(document_ids).documents()
+    local = max(len(classes), 1)  # nothing but padding: one run of the rows as they are
+    calls = agree(local, input_ids.device) if agree is not None else local
+    one = input_ids[:1, :1]
+    for _ in range(calls - local):
+        run(one, torch.zeros_like(one), torch.zeros_like(one))
+    if not classes:
+        return run(input_ids, torch.zeros_like(input_ids), document_ids)
     out = None
-    for docs in DocumentLayout.of(document_ids).documents():
+    for docs in classes:
         ids = input_ids.flatten()[docs.source]
         positions = torch.arange(docs.width, device=ids.device).expand_as(ids)
-        alone = torch.where(docs.target < R * T, 0, -1)
-        features = run(ids, positions, alone)
+        features = run(ids, positions, torch.where(docs.target < R * T, 0, -1))
         if out is None:
             out = features.new_zeros(R * T + 1, features.shape[-1])
         out.index_copy_(0, docs.target.flatten(), features.flatten(0, 1))
-    if out is None:  # nothing but padding
-        return run(input_ids, torch.zeros_like(input_ids), document_ids)
     return out[: R * T].view(R, T, -1)
