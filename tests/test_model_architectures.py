@@ -69,6 +69,30 @@ def gemma2():
     return tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, sliding_window=4))
 
 
+def deepseek_v3():
+    """Multi-head latent attention: values narrower than queries and keys."""
+    config = tf.DeepseekV3Config(
+        **(SMALL | {"num_key_value_heads": 4}),
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    )
+    return tf.DeepseekV3ForCausalLM(config)
+
+
+def stablelm():
+    """Its attention does not pass the model's keyword arguments on: no layout reaches it."""
+    return tf.StableLmForCausalLM(tf.StableLmConfig(**SMALL))
+
+
 TARGETS = {
     "llama": (llama, "documents"),
     "qwen3_moe": (qwen3_moe, "documents"),
@@ -76,6 +100,8 @@ TARGETS = {
     "gpt_oss": (gpt_oss, "documents"),
     "qwen3_next": (qwen3_next, "rows"),
     "gemma2": (gemma2, "rows"),
+    "deepseek_v3": (deepseek_v3, "documents"),
+    "stablelm": (stablelm, "rows"),
 }
 LAYERS = [0, 1, 2]
 

@@ -260,12 +260,14 @@ def _with_sink(
     """``query [N, H, Q, D]``, ``key/value [N, KV, K, D]`` with one key put first whose score
     is ``sinks [H]`` for every query and whose value is zero: softmax over the keys and the
     sink, as the sink's own definition says. Heads widen by a column: each query holds its
-    head's ``sink / scale`` there, the sink key a 1, every other key a 0."""
+    head's ``sink / scale`` there, the sink key a 1, every other key a 0 (values widen with
+    zeros, so one kernel takes all three: outputs past the value's width are dropped)."""
     D = query.shape[-1]
     width = -(-(D + 1) // HEAD_ALIGN) * HEAD_ALIGN
     q = F.pad(query, (0, width - D))
     q[..., D] = (sinks.float() / scale).to(q.dtype)[:, None]
-    k, v = F.pad(key, (0, width - D, 1, 0)), F.pad(value, (0, width - D, 1, 0))
+    k = F.pad(key, (0, width - D, 1, 0))
+    v = F.pad(value, (0, max(width - value.shape[-1], 0), 1, 0))
     k[:, :, 0, D] = 1
     return q, k, v
 
@@ -276,7 +278,7 @@ def _causal(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, scale: float)
     gqa = q.shape[1] != k.shape[1]
     if sinks is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    D = q.shape[-1]
+    D = v.shape[-1]
     q, k, v = _with_sink(F.pad(q, (0, 0, 1, 0)), k, v, sinks, scale)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     return out[:, :, 1:, :D]
@@ -292,7 +294,8 @@ def _by_documents(
 ) -> Tensor:
     """Causal attention inside each document, one SDPA call per length class: ``[R, T, H, D]``
     (zero on padding)."""
-    R, H, T, D = query.shape
+    R, H, T = query.shape[:3]
+    D = value.shape[-1]  # MLA targets' values are narrower than their queries and keys
     flat = [_positions(x) for x in (query, key, value)]
     out = query.new_zeros(R * T + 1, H, D)  # the last row takes the padding slots' outputs
     for docs in classes:
@@ -322,7 +325,8 @@ def _by_tiles(
     n = -(-T // Q)
     q = F.pad(query, (0, 0, 0, n * Q - T)).view(R, H, n, Q, D).transpose(1, 2)
     q = q.reshape(R * n, H, Q, D)
-    out = torch.empty_like(q)
+    Dv = value.shape[-1]  # MLA targets' values are narrower than their queries and keys
+    out = q.new_empty(R * n, H, Q, Dv)
     keys, values = _positions(key), _positions(value)
     for tiles, mask in zip(layout.tiles(window), layout.masks(window, q.dtype), strict=True):
         picked = q.index_select(0, tiles.index)
@@ -333,8 +337,8 @@ def _by_tiles(
         part = F.scaled_dot_product_attention(
             picked, k, v, attn_mask=mask, scale=scale, enable_gqa=H != key.shape[1]
         )
-        out.index_copy_(0, tiles.index, part[..., :D])
-    return out.view(R, n, H, Q, D).transpose(2, 3).reshape(R, n * Q, H, D)[:, :T]
+        out.index_copy_(0, tiles.index, part[..., :Dv])
+    return out.view(R, n, H, Q, Dv).transpose(2, 3).reshape(R, n * Q, H, Dv)[:, :T]
 
 
 def _layer_type(module: nn.Module) -> str | None:
@@ -351,7 +355,7 @@ def attention(
     value: Tensor,
     attention_mask: Tensor | None,
     *,
-    document_layout: DocumentLayout,
+    document_layout: DocumentLayout | None = None,
     scaling: float | None = None,
     sliding_window: int | None = None,
     s_aux: Tensor | None = None,
@@ -365,6 +369,8 @@ def attention(
     ``[R, T, heads, D]`` as Hugging Face attention functions do. Dropout and the (absent) mask
     are ignored: the target is frozen, in eval mode.
     """
+    if document_layout is None:
+        raise ExactPathNeeded("packed rows: the target's attention does not pass the layout on")
     unapplied = sorted(k for k, v in kwargs.items() if k not in HARMLESS and v is not None)
     if is_causal is False:
         unapplied.append("is_causal=False")

@@ -39,7 +39,7 @@ ACTIVATION_MODULES = frozenset({"torch.nn.modules.activation", "transformers.act
 WEIGHTED_ROLES = ("RMSNorm", "LayerNorm", "RotaryEmbedding", "Experts", "Router")
 """Class-name endings of Hugging Face modules that act on each token alone, with weights."""
 
-WIRING_ROLES = ("DecoderLayer", "MLP", "SparseMoeBlock")
+WIRING_ROLES = ("DecoderLayer", "MLP", "SparseMoeBlock", "MoE")
 """Class-name endings of Hugging Face modules that only wire their children together."""
 
 ATTENTION_PARAMETERS = frozenset({"sinks"})
