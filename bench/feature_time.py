@@ -6,21 +6,28 @@ tokens, and one document to a row (rows as wide as the longest document). It pri
 milliseconds per 1,000 real tokens of each over ``--repeats`` runs, and packed against its own
 ``k = 1`` value: the aim is a flat line (at most 1.2x) from 1 to 16 documents per row.
 
+With ``--hybrid``, the target is a Qwen3-Next of the same shape (three gated delta-net layers to
+one of full attention): its packed rows take the exact path, one document per row, and the
+table adds the time the packed fast path would take on the same rows (``fast``: wrong features
+on such a target, shown only for what exactness costs).
+
     python bench/feature_time.py [--rows 4] [--seq-len 512] [--docs 1,4,16] [--repeats 7]
-        [--sliding-window W]
+        [--sliding-window W | --hybrid]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import yaml
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
+from dflash.model import features
 from dflash.model.features import target_features
 from dflash.model.layer_ids import target_layer_ids
 
@@ -46,6 +53,42 @@ def default_target(window: int | None) -> Qwen3ForCausalLM:
         **extra,
     )
     return Qwen3ForCausalLM(config).eval()
+
+
+def hybrid_target() -> Qwen3NextForCausalLM:
+    """A random Qwen3-Next of the default target's shape: gated delta-net layers, every fourth
+    one full attention, dense MLPs."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    t, layers = params["target"], params["target"]["num_hidden_layers"]
+    head = t["hidden_size"] // t["num_attention_heads"]
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(
+        vocab_size=params["tokenizer"]["vocab_size"],
+        hidden_size=t["hidden_size"],
+        intermediate_size=t["intermediate_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"],
+        head_dim=head,
+        layer_types=[("full" if i % 4 == 3 else "linear") + "_attention" for i in range(layers)],
+        linear_num_key_heads=t["num_key_value_heads"],
+        linear_num_value_heads=t["num_attention_heads"],
+        linear_key_head_dim=head,
+        linear_value_head_dim=head,
+        mlp_only_layers=list(range(layers)),
+    )
+    return Qwen3NextForCausalLM(config).eval()
+
+
+@contextlib.contextmanager
+def fast_path_forced():
+    """Packed rows through document attention whatever the target mixes: timing only."""
+    judge = features.unconfined
+    features.unconfined = lambda *args: []
+    try:
+        yield
+    finally:
+        features.unconfined = judge
 
 
 def documents(rows: int, seq_len: int, per_row: int, gen: torch.Generator) -> list[list[int]]:
@@ -91,14 +134,16 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--docs", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--sliding-window", type=int, default=None)
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--sliding-window", type=int, default=None)
+    kind.add_argument("--hybrid", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    target = default_target(args.sliding_window)
+    target = hybrid_target() if args.hybrid else default_target(args.sliding_window)
     layer_ids = target_layer_ids(target.config.num_hidden_layers, 3)
     gen = torch.Generator().manual_seed(0)
     print(f"ms per 1,000 tokens, {args.rows} rows of {args.seq_len}, median of {args.repeats}")
-    print(f"{'docs/row':>8}{'packed':>9}{'one-doc':>9}{'vs k=1':>8}")
+    print(f"{'docs/row':>8}{'packed':>9}{'one-doc':>9}{'vs k=1':>8}" + f"{'fast':>8}" * args.hybrid)
     first = None
     for k in (int(x) for x in args.docs.split(",")):
         rows = documents(args.rows, args.seq_len, k, gen)
@@ -107,7 +152,11 @@ def main() -> None:
         p = ms_per_kilotoken(target, packed, layer_ids, args.repeats)
         a = ms_per_kilotoken(target, alone, layer_ids, args.repeats)
         first = first or p
-        print(f"{k:>8}{p:>9.2f}{a:>9.2f}{p / first:>7.2f}x", flush=True)
+        line = f"{k:>8}{p:>9.2f}{a:>9.2f}{p / first:>7.2f}x"
+        if args.hybrid:
+            with fast_path_forced():
+                line += f"{ms_per_kilotoken(target, packed, layer_ids, args.repeats):>8.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

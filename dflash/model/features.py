@@ -4,7 +4,8 @@ DFlash reads the outputs of ``n`` target decoder layers spread from the second l
 third-to-last and concatenates them, so the drafter sees both shallow and deep views of the
 context. Rows may be packed with several documents; the target must then attend only inside a
 document, with positions restarting at each document, so a packed row yields exactly the
-features its documents would yield one by one.
+features its documents would yield one by one. A target that mixes tokens other than by
+attention takes its packed rows one document per row instead (:mod:`dflash.model.mixing`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
-from dflash.model.document_attention import DocumentLayout, document_attention
+from dflash.model.document_attention import DocumentLayout, ExactPathNeeded, document_attention
+from dflash.model.mixing import by_document_rows, refuse, unconfined
 
 
 def select_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
@@ -77,8 +81,36 @@ def target_features(
             "input_ids, position_ids and document_ids must all be [R, T]; got "
             f"{tuple(input_ids.shape)}, {tuple(position_ids.shape)}, {tuple(document_ids.shape)}"
         )
-    layers, deepest = decoder_layers(target), max(layer_ids)
-    captured: dict[int, Tensor] = {}
+    packed, sharded = not one_document_per_row(document_ids), _sharded(target)
+    # A sharded target's forwards are collectives: its ranks all go one way, one row or packed.
+    if (packed or sharded) and unconfined(target, decoder_layers(target), max(layer_ids) + 1):
+        return _by_rows(target, input_ids, document_ids, layer_ids, sharded)
+    if not packed:
+        # Equal on the real tokens; on padding, a position restarting at 0 would make Hugging
+        # Face read the rows as packed and build a dense [R, 1, T, T] mask.
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return _features(target, input_ids, positions.expand_as(input_ids), document_ids, layer_ids)
+    layout = DocumentLayout.of(document_ids)
+    try:
+        with document_attention(target):
+            return _features(target, input_ids, position_ids, document_ids, layer_ids, layout)
+    except ExactPathNeeded:
+        if sharded:  # its other ranks went on with the forward: no second one here
+            raise
+        refuse(target)
+        return _by_rows(target, input_ids, document_ids, layer_ids, sharded)
+
+
+def _features(
+    target: nn.Module,
+    input_ids: Tensor,
+    position_ids: Tensor,
+    document_ids: Tensor,
+    layer_ids: list[int],
+    layout: DocumentLayout | None = None,
+) -> Tensor:
+    """One forward of the target's first layers, keeping the fused layers' outputs."""
+    layers, captured = decoder_layers(target), {}
 
     def capture(index: int):
         def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
@@ -86,24 +118,38 @@ def target_features(
 
         return hook
 
-    if one_document_per_row(document_ids):
-        packing, layout = contextlib.nullcontext(), {}
-        # Equal on the real tokens; on padding, a position restarting at 0 would make Hugging
-        # Face read the rows as packed and build a dense [R, 1, T, T] mask.
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
-            input_ids
-        )
-    else:
-        packing = document_attention(target)
-        layout = {"document_layout": DocumentLayout.of(document_ids)}
+    extra = {} if layout is None else {"document_layout": layout}
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        with packing, _first_layers(target, deepest + 1):
+        with _first_layers(target, max(layer_ids) + 1):
             target.base_model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, **layout
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
             )
     finally:
         for handle in handles:
             handle.remove()
     features = torch.cat([captured[i] for i in layer_ids], dim=-1)
     return features * (document_ids >= 0)[..., None].to(features.dtype)
+
+
+def _by_rows(
+    target: nn.Module, input_ids: Tensor, document_ids: Tensor, layer_ids: list[int], sharded: bool
+) -> Tensor:
+    """Features computed one document per row (exact for any target); a sharded target's
+    ranks first agree on how many forwards they run."""
+
+    def run(ids: Tensor, positions: Tensor, documents: Tensor) -> Tensor:
+        return _features(target, ids, positions, documents, layer_ids)
+
+    return by_document_rows(run, input_ids, document_ids, _most_over_ranks if sharded else None)
+
+
+def _sharded(target: nn.Module) -> bool:
+    """Whether ``target``'s forward is a collective (FSDP2): every rank must run the same ones."""
+    return any(isinstance(p, DTensor) for p in target.parameters())
+
+
+def _most_over_ranks(n: int, device: torch.device) -> int:
+    count = torch.tensor([n], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
