@@ -35,6 +35,31 @@ def one_document_per_row(document_ids: Tensor) -> bool:
     return bool((document_ids[real] == 0).all() and not (real[:, 1:] & ~real[:, :-1]).any())
 
 
+def packing(document_ids: Tensor, windows: tuple[int, ...] = ()) -> DocumentLayout | bool:
+    """How ``target_features`` runs these rows: False where each holds one document, else their
+    :class:`DocumentLayout` with its length classes and the tiles of the ``windows`` some
+    document outgrows already built.
+
+    Reading the layout takes host reads of the document ids; the DataLoader workers call this on
+    CPU tensors, so that the feature pass reads nothing back from the device.
+    """
+    if one_document_per_row(document_ids):
+        return False
+    layout = DocumentLayout.of(document_ids)
+    layout.documents()
+    for window in windows:
+        if not layout.fits(window):
+            layout.tiles(window)
+    return layout
+
+
+def sliding_windows(target: nn.Module) -> tuple[int, ...]:
+    """The sliding windows of the target's attention layers (none for full attention)."""
+    attention = [getattr(layer, "self_attn", None) for layer in decoder_layers(target)]
+    windows = {getattr(module, "sliding_window", None) for module in attention}
+    return tuple(sorted(w for w in windows if isinstance(w, int)))
+
+
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
     """The decoder layers of a Hugging Face causal LM (Qwen3, Llama and their kin)."""
     layers = getattr(target.base_model, "layers", None)
@@ -65,12 +90,14 @@ def target_features(
     position_ids: Tensor,
     document_ids: Tensor,
     layer_ids: list[int],
+    layout: DocumentLayout | bool | None = None,
 ) -> Tensor:
     """Features ``[R, T, n*H]`` of a micro-batch of (possibly packed) rows; zero on padding.
 
     Only the fused layers' outputs are kept (forward hooks), the target stops after the deepest
     of them and its LM head never runs: at a 150K vocabulary and 8K tokens, all hidden states
-    plus one row of logits would outweigh the drafter's whole step.
+    plus one row of logits would outweigh the drafter's whole step. ``layout`` is
+    :func:`packing` of ``document_ids``, computed ahead; None computes it here.
     """
     if not (input_ids.shape == position_ids.shape == document_ids.shape) or input_ids.ndim != 2:
         raise ValueError(
@@ -86,21 +113,22 @@ def target_features(
 
         return hook
 
-    if one_document_per_row(document_ids):
-        packing, layout = contextlib.nullcontext(), {}
+    if layout is None:
+        layout = packing(document_ids)
+    if layout is False:
+        attention, layout_kwargs = contextlib.nullcontext(), {}
         # Equal on the real tokens; on padding, a position restarting at 0 would make Hugging
         # Face read the rows as packed and build a dense [R, 1, T, T] mask.
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
             input_ids
         )
     else:
-        packing = document_attention(target)
-        layout = {"document_layout": DocumentLayout.of(document_ids)}
+        attention, layout_kwargs = document_attention(target), {"document_layout": layout}
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        with packing, _first_layers(target, deepest + 1):
+        with attention, _first_layers(target, deepest + 1):
             target.base_model(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False, **layout
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **layout_kwargs
             )
     finally:
         for handle in handles:
