@@ -112,7 +112,8 @@ def _check_anchors(document_ids: Tensor, anchors: Tensor) -> None:
 
 
 LOGITS_PER_CHUNK = 1 << 24
-"""Logit elements (labels x vocab) held at once by the loss: 64 MiB of fp32 per buffer."""
+"""Logit elements (labels x vocab) held at once by the loss: 64 MiB of fp32 per buffer (on a
+GPU, more where that leaves fewer than ``MIN_DEVICE_ROWS`` labels)."""
 
 HEAP_LOGITS = 1 << 22
 """On CPU, logits of a chunk held in 16 MiB where that still leaves ``MIN_HEAP_ROWS`` labels a
@@ -123,11 +124,20 @@ MIN_HEAP_ROWS = 1024
 """Each chunk reads the whole head: with a large vocabulary, fewer labels a chunk cost more
 than the page faults saved (27 labels a chunk of 151,936 logits took 1.6x the time of 110)."""
 
+MIN_DEVICE_ROWS = 2048
+"""Labels per chunk at least on a GPU. Each chunk reads the whole head twice (logits, then the
+gradient), 1.2 GB for Qwen3-8B's in bf16: at 2^24 logits a chunk (110 labels of a 152K
+vocabulary) the matmuls wait on that read, some 280 times a micro-batch of 30K labels; at
+2,048 labels their FLOPs bound them. The price is a larger transient: 2,048 x 152K logits in
+fp32 plus a bf16 copy, 1.9 GB (``bench/memory_model.py``)."""
+
 
 def chunk_rows(vocab_size: int, device: torch.device) -> int:
     """Labels per chunk of the loss."""
+    if device.type != "cpu":
+        return max(MIN_DEVICE_ROWS, LOGITS_PER_CHUNK // vocab_size)
     heap_rows = HEAP_LOGITS // vocab_size
-    if device.type == "cpu" and heap_rows >= MIN_HEAP_ROWS:
+    if heap_rows >= MIN_HEAP_ROWS:
         return heap_rows
     return max(1, LOGITS_PER_CHUNK // vocab_size)
 
