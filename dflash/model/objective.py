@@ -12,6 +12,7 @@ over all ranks and micro-batches, so every token weighs the same whatever the ba
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -40,6 +41,12 @@ def decay_weights(block_size: int, gamma: float) -> Tensor:
     weights = torch.exp(-(k - 1) / gamma)
     weights[0] = 0.0
     return weights.float()
+
+
+@functools.cache
+def _device_decay_weights(block_size: int, gamma: float, device: torch.device) -> Tensor:
+    """:func:`decay_weights` on ``device``, built once: not a copy to it at every call."""
+    return decay_weights(block_size, gamma).to(device)
 
 
 def _gather_blocks(x: Tensor, anchors: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
@@ -76,18 +83,6 @@ def block_labels(
     count (``label_counts``)."""
     labels, _ = _gather_blocks(input_ids, anchors, block_size)
     return labels, label_counts(loss_mask, document_ids, anchors, block_size)
-
-
-def label_weights(
-    loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, block_size: int, gamma: float
-) -> Tensor:
-    """``[R, A, bs]`` float32: each block label's decay weight where it counts, else 0.
-
-    The one home of the rule: the objective weighs its loss with these, and the data loader
-    sums them ahead of the forward (``MicroBatch.weight_sum``) to normalise the loss.
-    """
-    counts = label_counts(loss_mask, document_ids, anchors, block_size)
-    return decay_weights(block_size, gamma).to(counts.device) * counts
 
 
 def _check_shapes(input_ids, loss_mask, document_ids, position_ids, anchors) -> None:
@@ -238,7 +233,11 @@ def label_plan(
     blocks: bool,
 ) -> LabelPlan:
     """The :class:`LabelPlan` of a micro-batch of ``R`` rows, its anchors checked; with the
-    two-part kernel's chunks if ``blocks``."""
+    two-part kernel's chunks if ``blocks``.
+
+    The one home of the weighting rule: the objective weighs its loss with ``weights``, and
+    the data loader sums them ahead of the forward (``MicroBatch.weight_sum``) to normalise it.
+    """
     _check_anchors(document_ids, anchors)
     R, T = document_ids.shape
     row = torch.arange(R, device=anchors.device)[:, None]
@@ -254,7 +253,7 @@ def label_plan(
         anchors=real,
         index=index,
         slots=slots,
-        weights=decay_weights(block_size, gamma).to(index.device)[slots],
+        weights=_device_decay_weights(block_size, gamma, index.device)[slots],
         counted=torch.bincount(slots, minlength=block_size),
         blocks=mask,
     )
