@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from memory_model import Batch, Dims, components
+from memory_model import Batch, Dims, components, transients
 
 QWEN3_8B = Dims(
     vocab=151936,
@@ -63,6 +63,7 @@ def total_gb(
         weight_bytes=BF16,
         checkpoint_layers=checkpoint_layers,
         shards=shards,
+        device="cuda",
     )
     return sum(parts.values()) / GB + RESERVED_GB
 
@@ -85,8 +86,8 @@ def recipe_table(args: argparse.Namespace) -> None:
         f"{batch.rows} rows x {args.row_len} tokens, {args.anchors} anchors per row, "
         f"block {QWEN3_8B.block_size}\n"
     )
-    plain = components(QWEN3_8B, batch, BF16, BF16)
-    recomputed = components(QWEN3_8B, batch, BF16, BF16, checkpoint_layers=True)
+    plain = components(QWEN3_8B, batch, BF16, BF16, device="cuda")
+    recomputed = components(QWEN3_8B, batch, BF16, BF16, checkpoint_layers=True, device="cuda")
     print("| component | GB | GB, if layers were recomputed |")
     print("|---|---|---|")
     for name in plain:
@@ -95,6 +96,12 @@ def recipe_table(args: argparse.Namespace) -> None:
     print(
         f"| **total** | **{total_gb(args.token_budget, args, False):,.1f}** | "
         f"**{total_gb(args.token_budget, args, True):,.1f}** |\n"
+    )
+    named = transients(QWEN3_8B, batch, BF16, device="cuda")
+    print(
+        "transients, the largest counted: "
+        + ", ".join(f"{name} {size / GB:,.2f} GB" for name, size in named.items())
+        + "\n"
     )
 
 

@@ -3,8 +3,9 @@
 The same formulas serve two ends: ``bench/step_memory.py`` checks them against the measured
 peak of a real step on CPU (fp32), and ``bench/gpu_memory.py`` applies them to a real target in
 bf16 to size ``batching.token_budget`` for a GPU. Only the big terms are modelled: weights,
-optimizer state, features, activations kept for backward, and the largest transient buffer
-(one loss chunk, one attention chunk or one target layer, whichever is biggest).
+optimizer state, features, activations kept for backward, the FlexAttention block mask on a
+GPU, and the largest transient buffer (one loss chunk, one target layer, or one attention chunk
+of the CPU kernel or the block mask being built on a GPU, whichever is biggest).
 
 Under FSDP (``shards`` > 1) a rank keeps ``1/shards`` of the weights, gradients and AdamW
 state, and gathers whole units for a while: the borrowed embedding and head for the drafter's
@@ -15,11 +16,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.model.attention import CONTEXT_SCORES_PER_CHUNK
-from dflash.model.objective import LOGITS_PER_CHUNK
+import torch
+
+from dflash.model.attention import CONTEXT_SCORES_PER_CHUNK, FLEX_TILE
+from dflash.model.objective import chunk_rows
 
 MIB = 2**20
 FP32 = 4
+MASK_TILE_BYTES = 16
+"""The block mask kept per (query tile, key tile) pair: four int32 tile lists (partial and full
+key tiles of each query tile, and their transposes), kept for the backward."""
+MASK_BUILD_TILE_BYTES = 30
+"""Peak bytes per tile pair while ``flex_block_mask`` builds it: the kept lists, the boolean
+tile matrices, their int32 copies and the int64 orders sorting them (measured on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,35 @@ def gathered_bytes(d: Dims, act_bytes: int, weight_bytes: int) -> float:
     return embed_head_params(d) * weight_bytes + layer_params(d) * (act_bytes + FP32)
 
 
+def mask_tiles(d: Dims, b: Batch) -> int:
+    """FlexAttention tile pairs of the block mask. The objective lays the micro-batch's rows
+    end to end, so its queries and keys are those of all rows: the count grows with the square
+    of the micro-batch."""
+    queries = b.rows * b.anchors * d.block_size
+    return -(-queries // FLEX_TILE) * -(-(b.tokens + queries) // FLEX_TILE)
+
+
+def loss_chunk_bytes(d: Dims, b: Batch, act_bytes: int, device: str) -> float:
+    """One chunk of the loss: its fp32 logits, the matmul's output in the compute dtype and the
+    gradient's copy in it (in fp32 the copies are the logits themselves: counted anyway)."""
+    labels = b.rows * b.anchors * (d.block_size - 1)
+    rows = min(labels, chunk_rows(d.vocab, torch.device(device)))
+    return rows * d.vocab * (FP32 + 2 * act_bytes)
+
+
+def transients(d: Dims, b: Batch, act_bytes: int, device: str = "cpu") -> dict[str, float]:
+    """Buffers that live for a moment of the step, one at a time: the largest one counts."""
+    named = {
+        "target layer": b.tokens * (3 * d.intermediate + 4 * d.hidden) * act_bytes,
+        "loss chunk": loss_chunk_bytes(d, b, act_bytes, device),
+    }
+    if device == "cuda":
+        named["block mask, building"] = mask_tiles(d, b) * MASK_BUILD_TILE_BYTES
+    else:
+        named["attention chunk"] = 3 * d.heads * CONTEXT_SCORES_PER_CHUNK * FP32
+    return named
+
+
 def components(
     d: Dims,
     b: Batch,
@@ -92,11 +130,14 @@ def components(
     weight_bytes: int,
     checkpoint_layers: bool = False,
     shards: int = 1,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Bytes per component of one step. ``act_bytes``: 4 in fp32, 2 under bf16 autocast.
 
     ``checkpoint_layers``: drafter layers recomputed in backward, so each keeps only its input.
-    ``shards``: the ranks FSDP shards over (1: DDP, every rank whole).
+    ``shards``: the ranks FSDP shards over (1: DDP, every rank whole). ``device``: ``cuda``
+    attends through a FlexAttention block mask and takes the GPU's loss chunks; ``cpu`` runs
+    the two-part kernel's attention chunks.
     """
     H, inter, kv = d.hidden, d.intermediate, d.kv_heads * d.head_dim
     queries = b.rows * b.anchors * d.block_size
@@ -107,18 +148,15 @@ def components(
     per_context = 4 * kv  # the context's k/v through the same projections, normed and rotated
     layer = queries * per_query + b.tokens * per_context
     kept_layers = queries * H + layer if checkpoint_layers else d.drafter_layers * layer
-    transients = {
-        "target layer": b.tokens * (3 * inter + 4 * H) * act_bytes,
-        "attention chunk": 3 * d.heads * CONTEXT_SCORES_PER_CHUNK * FP32,
-        "loss chunk": 3 * LOGITS_PER_CHUNK * FP32,
-    }
+    mask = {"block mask": mask_tiles(d, b) * MASK_TILE_BYTES} if device == "cuda" else {}
     gathered = {"gathered units (FSDP)": gathered_bytes(d, act_bytes, weight_bytes)}
     return {
         **model_state_bytes(d, weight_bytes, shards),
         "target features": b.tokens * (d.features + 2) * H * act_bytes,
         "drafter activations": kept_layers * act_bytes,
         "loss gradient": labels * H * FP32,
-        "largest transient": max(transients.values()),
+        **mask,
+        "largest transient": max(transients(d, b, act_bytes, device).values()),
         **(gathered if shards > 1 else {}),
     }
 

@@ -39,6 +39,31 @@ def one_document_per_row(document_ids: Tensor) -> bool:
     return bool((document_ids[real] == 0).all() and not (real[:, 1:] & ~real[:, :-1]).any())
 
 
+def packing(document_ids: Tensor, windows: tuple[int, ...] = ()) -> DocumentLayout | bool:
+    """How ``target_features`` runs these rows: False where each holds one document, else their
+    :class:`DocumentLayout` with its length classes and the tiles of the ``windows`` some
+    document outgrows already built.
+
+    Reading the layout takes host reads of the document ids; the DataLoader workers call this on
+    CPU tensors, so that the feature pass reads nothing back from the device.
+    """
+    if one_document_per_row(document_ids):
+        return False
+    layout = DocumentLayout.of(document_ids)
+    layout.documents()
+    for window in windows:
+        if not layout.fits(window):
+            layout.tiles(window)
+    return layout
+
+
+def sliding_windows(target: nn.Module) -> tuple[int, ...]:
+    """The sliding windows of the target's attention layers (none for full attention)."""
+    attention = [getattr(layer, "self_attn", None) for layer in decoder_layers(target)]
+    windows = {getattr(module, "sliding_window", None) for module in attention}
+    return tuple(sorted(w for w in windows if isinstance(w, int)))
+
+
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
     """The decoder layers of a Hugging Face causal LM (Qwen3, Llama and their kin)."""
     layers = getattr(target.base_model, "layers", None)
@@ -69,19 +94,23 @@ def target_features(
     position_ids: Tensor,
     document_ids: Tensor,
     layer_ids: list[int],
+    layout: DocumentLayout | bool | None = None,
 ) -> Tensor:
     """Features ``[R, T, n*H]`` of a micro-batch of (possibly packed) rows; zero on padding.
 
     Only the fused layers' outputs are kept (forward hooks), the target stops after the deepest
     of them and its LM head never runs: at a 150K vocabulary and 8K tokens, all hidden states
-    plus one row of logits would outweigh the drafter's whole step.
+    plus one row of logits would outweigh the drafter's whole step. ``layout`` is
+    :func:`packing` of ``document_ids``, computed ahead; None computes it here.
     """
     if not (input_ids.shape == position_ids.shape == document_ids.shape) or input_ids.ndim != 2:
         raise ValueError(
             "input_ids, position_ids and document_ids must all be [R, T]; got "
             f"{tuple(input_ids.shape)}, {tuple(position_ids.shape)}, {tuple(document_ids.shape)}"
         )
-    packed, sharded = not one_document_per_row(document_ids), _sharded(target)
+    if layout is None:
+        layout = packing(document_ids)
+    packed, sharded = layout is not False, _sharded(target)
     # A sharded target's forwards are collectives: its ranks all go one way, one row or packed.
     if (packed or sharded) and unconfined(target, decoder_layers(target), max(layer_ids) + 1):
         return _by_rows(target, input_ids, document_ids, layer_ids, sharded)
@@ -90,7 +119,6 @@ def target_features(
         # Face read the rows as packed and build a dense [R, 1, T, T] mask.
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return _features(target, input_ids, positions.expand_as(input_ids), document_ids, layer_ids)
-    layout = DocumentLayout.of(document_ids)
     try:
         with document_attention(target):
             return _features(target, input_ids, position_ids, document_ids, layer_ids, layout)

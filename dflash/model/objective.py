@@ -12,13 +12,15 @@ over all ranks and micro-batches, so every token weighs the same whatever the ba
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.model.attention import build_attention_mask
+from dflash.model.attention import AnchorBlocks, build_attention_mask, flex_available
 from dflash.model.drafter import DFlashDrafter
 
 
@@ -39,6 +41,12 @@ def decay_weights(block_size: int, gamma: float) -> Tensor:
     weights = torch.exp(-(k - 1) / gamma)
     weights[0] = 0.0
     return weights.float()
+
+
+@functools.cache
+def _device_decay_weights(block_size: int, gamma: float, device: torch.device) -> Tensor:
+    """:func:`decay_weights` on ``device``, built once: not a copy to it at every call."""
+    return decay_weights(block_size, gamma).to(device)
 
 
 def _gather_blocks(x: Tensor, anchors: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
@@ -77,30 +85,20 @@ def block_labels(
     return labels, label_counts(loss_mask, document_ids, anchors, block_size)
 
 
-def label_weights(
-    loss_mask: Tensor, document_ids: Tensor, anchors: Tensor, block_size: int, gamma: float
-) -> Tensor:
-    """``[R, A, bs]`` float32: each block label's decay weight where it counts, else 0.
-
-    The one home of the rule: the objective weighs its loss with these, and the data loader
-    sums them ahead of the forward (``MicroBatch.weight_sum``) to normalise the loss.
-    """
-    counts = label_counts(loss_mask, document_ids, anchors, block_size)
-    return decay_weights(block_size, gamma).to(counts.device) * counts
-
-
-def _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, features) -> None:
+def _check_shapes(input_ids, loss_mask, document_ids, position_ids, anchors) -> None:
     shapes = {t.shape for t in (input_ids, loss_mask, document_ids, position_ids)}
     if len(shapes) != 1 or input_ids.ndim != 2:
         raise ValueError(
             "input_ids, loss_mask, document_ids and position_ids must share one [R, T] shape, got "
             f"{[tuple(t.shape) for t in (input_ids, loss_mask, document_ids, position_ids)]}"
         )
-    if features.shape[:2] != input_ids.shape:
-        raise ValueError(f"features {tuple(features.shape)} do not match [R, T] {input_ids.shape}")
     if anchors.ndim != 2 or anchors.shape[0] != input_ids.shape[0]:
         raise ValueError(f"anchors must be [R, A], got {tuple(anchors.shape)}")
-    T = input_ids.shape[1]
+
+
+def _check_anchors(document_ids: Tensor, anchors: Tensor) -> None:
+    """Reads the anchors on the host: :func:`label_plan` runs it where they are still there."""
+    T = document_ids.shape[1]
     real = anchors >= 0
     if (anchors < -1).any() or (anchors >= T).any():
         raise ValueError(f"anchors must be -1 (none) or a position in [0, {T}), got {anchors}")
@@ -109,7 +107,8 @@ def _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, fea
 
 
 LOGITS_PER_CHUNK = 1 << 24
-"""Logit elements (labels x vocab) held at once by the loss: 64 MiB of fp32 per buffer."""
+"""Logit elements (labels x vocab) held at once by the loss: 64 MiB of fp32 per buffer (on a
+GPU, more where that leaves fewer than ``MIN_DEVICE_ROWS`` labels)."""
 
 HEAP_LOGITS = 1 << 22
 """On CPU, logits of a chunk held in 16 MiB where that still leaves ``MIN_HEAP_ROWS`` labels a
@@ -120,11 +119,20 @@ MIN_HEAP_ROWS = 1024
 """Each chunk reads the whole head: with a large vocabulary, fewer labels a chunk cost more
 than the page faults saved (27 labels a chunk of 151,936 logits took 1.6x the time of 110)."""
 
+MIN_DEVICE_ROWS = 2048
+"""Labels per chunk at least on a GPU. Each chunk reads the whole head twice (logits, then the
+gradient), 1.2 GB for Qwen3-8B's in bf16: at 2^24 logits a chunk (110 labels of a 152K
+vocabulary) the matmuls wait on that read, some 280 times a micro-batch of 30K labels; at
+2,048 labels their FLOPs bound them. The price is a larger transient: 2,048 x 152K logits in
+fp32 plus a bf16 copy, 1.9 GB (``bench/memory_model.py``)."""
+
 
 def chunk_rows(vocab_size: int, device: torch.device) -> int:
     """Labels per chunk of the loss."""
+    if device.type != "cpu":
+        return max(MIN_DEVICE_ROWS, LOGITS_PER_CHUNK // vocab_size)
     heap_rows = HEAP_LOGITS // vocab_size
-    if device.type == "cpu" and heap_rows >= MIN_HEAP_ROWS:
+    if heap_rows >= MIN_HEAP_ROWS:
         return heap_rows
     return max(1, LOGITS_PER_CHUNK // vocab_size)
 
@@ -166,21 +174,89 @@ class ChunkedHeadLoss(torch.autograd.Function):
         return (grad_loss * grad).to(ctx.hidden_dtype), None, None, None, None, None
 
 
-def _one_row(features, input_ids, loss_mask, document_ids, position_ids, anchors):
-    """The micro-batch as one row of ``R*T`` tokens that holds only its real anchors.
+def _one_row_documents(document_ids: Tensor) -> Tensor:
+    """Rows laid end to end keep their documents apart: each row's ids shifted by ``row * T``."""
+    R, T = document_ids.shape
+    row = torch.arange(R, device=document_ids.device)[:, None]
+    return torch.where(document_ids >= 0, document_ids + row * T, -1).reshape(1, R * T)
+
+
+def _one_row(features, input_ids, loss_mask, document_ids, position_ids):
+    """The micro-batch as one row of ``R*T`` tokens, which :class:`LabelPlan` fills with only
+    its real anchors.
 
     Anchor slots padded to the busiest row (in packed rows most of them) would cost the drafter
-    as much as real ones. Laid end to end, rows keep their documents apart: each row's
-    document ids are shifted by ``row * T``; the rule needs nothing else.
+    as much as real ones. Laid end to end, rows keep their documents apart
+    (:func:`_one_row_documents`); the rule needs nothing else.
     """
     R, T = input_ids.shape
+    flat = [x.reshape(1, R * T) for x in (input_ids, loss_mask, position_ids)]
+    return (
+        features.reshape(1, R * T, -1),
+        flat[0],
+        flat[1],
+        _one_row_documents(document_ids),
+        flat[2],
+    )
+
+
+@dataclass(frozen=True)
+class LabelPlan:
+    """What the objective reads of a micro-batch's layout, known before the forward.
+
+    Sized by the data (which anchors are real, which labels count), so computing it on a GPU
+    would read the device back several times a micro-batch; the DataLoader workers compute it
+    on the CPU instead (:func:`label_plan`) and it travels with the batch.
+    """
+
+    anchors: Tensor
+    """``[1, N]``: the real anchors of the rows laid end to end (one -1 without any)."""
+    index: Tensor
+    """``[L]``: the counted labels, as places among the ``N * bs`` block slots."""
+    slots: Tensor
+    """``[L]``: each counted label's block slot."""
+    weights: Tensor
+    """``[L]`` float32: each counted label's decay weight."""
+    counted: Tensor
+    """``[bs]`` long: labels counted per block slot."""
+    blocks: AnchorBlocks | None = None
+    """The two-part kernel's context chunks, where that kernel runs (else built on the device)."""
+
+
+def label_plan(
+    loss_mask: Tensor,
+    document_ids: Tensor,
+    anchors: Tensor,
+    block_size: int,
+    gamma: float,
+    *,
+    blocks: bool,
+) -> LabelPlan:
+    """The :class:`LabelPlan` of a micro-batch of ``R`` rows, its anchors checked; with the
+    two-part kernel's chunks if ``blocks``.
+
+    The one home of the weighting rule: the objective weighs its loss with ``weights``, and
+    the data loader sums them ahead of the forward (``MicroBatch.weight_sum``) to normalise it.
+    """
+    _check_anchors(document_ids, anchors)
+    R, T = document_ids.shape
     row = torch.arange(R, device=anchors.device)[:, None]
-    docs = torch.where(document_ids >= 0, document_ids + row * T, -1)
     real = (anchors + row * T)[anchors >= 0]
     if real.numel() == 0:
         real = anchors.new_full((1,), -1)
-    flat = [x.reshape(1, R * T) for x in (input_ids, loss_mask, docs, position_ids)]
-    return features.reshape(1, R * T, -1), *flat, real[None]
+    real, documents = real[None], _one_row_documents(document_ids)
+    counts = label_counts(loss_mask.reshape(1, R * T), documents, real, block_size)
+    index = torch.nonzero(counts.flatten())[:, 0]
+    slots = index % block_size
+    mask = build_attention_mask(real, documents, block_size, R * T, flex=False) if blocks else None
+    return LabelPlan(
+        anchors=real,
+        index=index,
+        slots=slots,
+        weights=_device_decay_weights(block_size, gamma, index.device)[slots],
+        counted=torch.bincount(slots, minlength=block_size),
+        blocks=mask,
+    )
 
 
 def dflash_objective(
@@ -194,40 +270,52 @@ def dflash_objective(
     gamma: float,
     *,
     flex: bool | None = None,
+    plan: LabelPlan | None = None,
 ) -> ObjectiveOutput:
     """Decay-weighted block cross-entropy of ``R`` rows of ``T`` tokens with ``A`` anchors each.
 
     ``flex`` forces FlexAttention (True) or the two-part kernel (False); None picks
-    FlexAttention on CUDA.
+    FlexAttention on CUDA. ``plan`` is :func:`label_plan` of these inputs, computed ahead (then
+    nothing here reads the device back); without it, it is computed here.
     """
-    _check_inputs(input_ids, loss_mask, document_ids, position_ids, anchors, features)
-    features, input_ids, loss_mask, document_ids, position_ids, anchors = _one_row(
-        features, input_ids, loss_mask, document_ids, position_ids, anchors
+    _check_shapes(input_ids, loss_mask, document_ids, position_ids, anchors)
+    if features.shape[:2] != input_ids.shape:
+        raise ValueError(f"features {tuple(features.shape)} do not match [R, T] {input_ids.shape}")
+    if flex is None:
+        flex = flex_available(anchors.device)
+    bs = drafter.config.block_size
+    if plan is None:
+        plan = label_plan(loss_mask, document_ids, anchors, bs, gamma, blocks=not flex)
+    features, input_ids, loss_mask, document_ids, position_ids = _one_row(
+        features, input_ids, loss_mask, document_ids, position_ids
     )
-    bs, T = drafter.config.block_size, input_ids.shape[1]
-    R, A = anchors.shape
+    anchors, T = plan.anchors, input_ids.shape[1]
     slot = torch.arange(bs, device=anchors.device)
     safe_anchor = anchors.clamp(min=0)
 
     first = input_ids.gather(1, safe_anchor)[:, :, None]
     block_ids = torch.where(slot == 0, first, drafter.config.mask_token_id)
     block_positions = position_ids.gather(1, safe_anchor)[:, :, None] + slot
-    mask = build_attention_mask(anchors, document_ids, bs, T, flex)
-    hidden = drafter(
-        block_ids.flatten(1), block_positions.flatten(1), features, position_ids, mask
-    ).view(R, A, bs, -1)
-
-    labels, counts = block_labels(input_ids, loss_mask, document_ids, anchors, bs)
-    slots = slot.expand_as(labels)[counts]
-    weights = label_weights(loss_mask, document_ids, anchors, bs, gamma)[counts]
+    if plan.blocks is not None and not flex:
+        mask = plan.blocks
+    else:
+        mask = build_attention_mask(anchors, document_ids, bs, T, flex)
+    hidden = drafter(block_ids.flatten(1), block_positions.flatten(1), features, position_ids, mask)
+    labels, _ = _gather_blocks(input_ids, anchors, bs)
     weight, bias = drafter.head()
     rows = chunk_rows(weight.shape[0], weight.device)
     loss_sum, hits = ChunkedHeadLoss.apply(
-        hidden[counts], weight, bias, labels[counts], weights, rows
+        hidden.flatten(0, 1).index_select(0, plan.index),
+        weight,
+        bias,
+        labels.flatten().index_select(0, plan.index),
+        plan.weights,
+        rows,
     )
+    correct = torch.zeros(bs, dtype=torch.long, device=hits.device)
     return ObjectiveOutput(
         loss_sum=loss_sum,
-        weight_sum=weights.sum(),
-        correct=torch.bincount(slots[hits], minlength=bs),
-        counted=torch.bincount(slots, minlength=bs),
+        weight_sum=plan.weights.sum(),
+        correct=correct.index_add_(0, plan.slots, hits.long()),
+        counted=plan.counted,
     )

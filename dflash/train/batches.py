@@ -8,6 +8,7 @@ epoch, and the same whatever the world size or the point a run resumed from.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -17,7 +18,9 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import Row
 from dflash.data.store import TokenStore
 from dflash.model.anchors import sample_anchors
-from dflash.model.objective import label_weights
+from dflash.model.document_attention import DocumentLayout
+from dflash.model.features import packing
+from dflash.model.objective import LabelPlan, label_plan
 
 
 @dataclass
@@ -31,19 +34,31 @@ class MicroBatch:
     real_tokens: int
     padded_tokens: int
     n_samples: int
+    plan: LabelPlan | None = None
+    """The objective's labels and mask chunks (``label_plan``); None: the step computes them."""
+    layout: DocumentLayout | bool | None = None
+    """The feature pass's ``packing``; None: the step computes it."""
 
     def pin_memory(self) -> MicroBatch:
-        return self._map(lambda t: t.pin_memory())
+        return _mapped(self, lambda t: t.pin_memory())
 
     def to(self, device: torch.device) -> MicroBatch:
-        return self._map(lambda t: t.to(device, non_blocking=True))
+        return _mapped(self, lambda t: t.to(device, non_blocking=True))
 
-    def _map(self, fn) -> MicroBatch:
-        values = {
-            f.name: fn(v) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
-            for f in fields(self)
-        }
-        return MicroBatch(**values)
+
+def _mapped(value, fn):
+    """``value`` with ``fn`` applied to every tensor in it, through dataclasses, tuples, lists
+    and dicts."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: _mapped(getattr(value, f.name), fn) for f in fields(value) if f.init}
+        return dataclasses.replace(value, **changes)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_mapped(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _mapped(v, fn) for k, v in value.items()}
+    return value
 
 
 def build_micro_batch(
@@ -55,7 +70,13 @@ def build_micro_batch(
     gamma: float,
     seed: int,
     epoch: int,
+    flex: bool = False,
+    windows: tuple[int, ...] = (),
 ) -> MicroBatch:
+    """The micro-batch of ``rows``, with everything its step would otherwise read back from the
+    device: the objective's ``label_plan`` (with the two-part kernel's mask chunks unless the
+    drafter attends through FlexAttention, ``flex``) and the feature pass's ``packing`` for
+    a target with sliding ``windows``."""
     width = max(sum(length for _, _, length in row) for row in rows)
     n_rows = len(rows)
     input_ids = np.zeros((n_rows, width), dtype=np.int64)
@@ -89,18 +110,20 @@ def build_micro_batch(
         anchor_tensor[r, : len(a)] = a
     loss_mask_t, document_ids_t = torch.from_numpy(loss_mask), torch.from_numpy(document_ids)
     anchors_t = torch.from_numpy(anchor_tensor)
-    # The objective's own float32 weights, summed in float64 (exact: they are few bits wide).
-    weights = label_weights(loss_mask_t, document_ids_t, anchors_t, block_size, gamma)
+    plan = label_plan(loss_mask_t, document_ids_t, anchors_t, block_size, gamma, blocks=not flex)
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         loss_mask=loss_mask_t,
         document_ids=document_ids_t,
         position_ids=torch.from_numpy(position_ids),
         anchors=anchors_t,
-        weight_sum=float(weights.double().sum()),
+        # The objective's own float32 weights, summed in float64 (exact: they are few bits wide).
+        weight_sum=float(plan.weights.double().sum()),
         real_tokens=real_tokens,
         padded_tokens=n_rows * width,
         n_samples=sum(len(row) for row in rows),
+        plan=plan,
+        layout=packing(document_ids_t, windows),
     )
 
 
@@ -118,6 +141,8 @@ class StepDataset(torch.utils.data.Dataset):
         gamma: float,
         seed: int,
         epoch: int,
+        flex: bool = False,
+        windows: tuple[int, ...] = (),
     ) -> None:
         self.store = store
         self.steps = steps
@@ -128,6 +153,8 @@ class StepDataset(torch.utils.data.Dataset):
             gamma=gamma,
             seed=seed,
             epoch=epoch,
+            flex=flex,
+            windows=windows,
         )
 
     def __len__(self) -> int:

@@ -62,11 +62,12 @@ def shutdown(ctx: Dist) -> None:
 
 
 def all_reduce_sum(ctx: Dist, values: torch.Tensor) -> torch.Tensor:
-    """Sum a float64 tensor over ranks (float64: the global loss-weight sum must not drift)."""
+    """Sum a float64 tensor over ranks (float64: the global loss-weight sum must not drift), on
+    ``ctx.device``: the caller reads it back when it needs the values, not at every sum."""
+    values = values.to(ctx.device)
     if ctx.enabled:
-        values = values.to(ctx.device)
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return values.cpu()
+    return values
 
 
 def barrier(ctx: Dist) -> None:

@@ -26,8 +26,10 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
+from dflash.model.attention import flex_available
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_run
+from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
@@ -244,6 +246,8 @@ class Trainer:
             gamma=c.drafter.gamma,
             seed=c.train.seed,
             epoch=epoch,
+            flex=flex_available(self.ctx.device),
+            windows=sliding_windows(self.target),
         )
 
     def _record(self, epoch: int, result: dict[str, Any], seconds: float, wait: float) -> None:

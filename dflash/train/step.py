@@ -42,7 +42,9 @@ def micro_batch_loss(
     target: nn.Module, model: nn.Module, layer_ids: list[int], mb: MicroBatch, gamma: float
 ) -> ObjectiveOutput:
     """Target features without gradients, then the drafter and its loss on one micro-batch."""
-    features = target_features(target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids)
+    features = target_features(
+        target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout
+    )
     return drafter_loss(model, features, mb, gamma)
 
 
@@ -59,11 +61,13 @@ def drafter_loss(
         mb.position_ids,
         mb.anchors,
         gamma,
+        plan=mb.plan,
     )
 
 
-def _global_sizes(ctx: Dist, micro_batches: list[MicroBatch]) -> list[float]:
-    """Loss-weight sum, real and padded tokens, samples of the step over all ranks."""
+def _global_sizes(ctx: Dist, micro_batches: list[MicroBatch]) -> torch.Tensor:
+    """Loss-weight sum, real and padded tokens, samples of the step over all ranks: float64
+    on the step's device, read on the host only with the step's totals."""
     local = torch.tensor(
         [
             sum(mb.weight_sum for mb in micro_batches),
@@ -73,7 +77,7 @@ def _global_sizes(ctx: Dist, micro_batches: list[MicroBatch]) -> list[float]:
         ],
         dtype=torch.float64,
     )
-    return all_reduce_sum(ctx, local).tolist()
+    return all_reduce_sum(ctx, local)
 
 
 def forward_backward(
@@ -85,30 +89,38 @@ def forward_backward(
     gamma: float,
     autocast: contextlib.AbstractContextManager,
 ) -> StepTotals:
-    """Accumulate the step's gradients in ``model`` and return its totals over all ranks."""
-    weight, real, padded, n_samples = _global_sizes(ctx, micro_batches)
+    """Accumulate the step's gradients in ``model`` and return its totals over all ranks.
+
+    The totals stay on the device until the last micro-batch's backward is queued: one read
+    back a step, none a micro-batch (``tests/test_train_syncs.py``).
+    """
+    sizes = _global_sizes(ctx, micro_batches)
+    # Gradients are averaged over ranks: scaled, the sum is Σ w·CE / Σ_global w.
+    world = torch.tensor(float(ctx.world_size), dtype=torch.float64, device=ctx.device)
+    scale = (world / sizes[0].clamp(min=TINY_WEIGHT)).float()
     bs = model.config.block_size
-    sums = torch.zeros(1 + 2 * bs, dtype=torch.float64)  # loss_sum, correct[bs], counted[bs]
+    # loss_sum, correct[bs], counted[bs]
+    sums = torch.zeros(1 + 2 * bs, dtype=torch.float64, device=ctx.device)
     for i, mb in enumerate(micro_batches):
         mb = mb.to(ctx.device)
         last = i == len(micro_batches) - 1
         with autocast:
             features = target_features(
-                target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids
+                target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout
             )
         with contextlib.nullcontext() if last else no_sync(model), borrowed_unsharded(model):
             with autocast:
                 out = drafter_loss(model, features, mb, gamma)
-            # Gradients are averaged over ranks: scaled, the sum is Σ w·CE / Σ_global w.
-            (out.loss_sum * (ctx.world_size / max(weight, TINY_WEIGHT))).backward()
+            (out.loss_sum * scale).backward()
         parts = (out.loss_sum.detach()[None], out.correct, out.counted)
-        sums += torch.cat([t.double().cpu() for t in parts])
-    sums = all_reduce_sum(ctx, sums)
+        sums += torch.cat([t.double() for t in parts])
+    totals = torch.cat([all_reduce_sum(ctx, sums), sizes]).tolist()  # the step's one read
+    weight, real, padded, n_samples = totals[-4:]
     return StepTotals(
-        loss=sums[0].item() / max(weight, TINY_WEIGHT),
+        loss=totals[0] / max(weight, TINY_WEIGHT),
         weight=weight,
-        correct=sums[1 : 1 + bs],
-        counted=sums[1 + bs :],
+        correct=torch.tensor(totals[1 : 1 + bs], dtype=torch.float64),
+        counted=torch.tensor(totals[1 + bs : 1 + 2 * bs], dtype=torch.float64),
         real_tokens=int(real),
         padded_tokens=int(padded),
         n_samples=int(n_samples),
