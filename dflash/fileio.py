@@ -131,6 +131,21 @@ def sha256_file(path: str | Path) -> str:
     return sha.hexdigest()
 
 
+def not_a_file(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as an input file, saying what it is (a phrase to follow the
+    path: "does not exist", "is a directory, not a file", ...); None for a regular file."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a directory, not a file"
+    if path.exists():
+        return "is not a regular file (a FIFO, socket or device)"
+    if path.is_symlink():
+        return f"is a link to {os.readlink(path)}, which does not exist"
+    return "does not exist"
+
+
 def require_only(
     directory: str | Path, patterns: list[str], workspace: str | Path | None = None
 ) -> None:
