@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -102,6 +104,29 @@ def _swap(new: Path, path: Path, old: Path) -> None:
             old.rename(path)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+SIGTERM_EXIT = 128 + signal.SIGTERM
+"""The status a shell gives a process SIGTERM ended."""
+
+
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """While the block runs, SIGTERM raises ``SystemExit(143)`` instead of ending the process
+    on the spot, so every ``finally`` runs: the ``.tmp`` files and directories of the atomic
+    writers are removed, not left beside the outputs. Outside the main thread, a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(SIGTERM_EXIT)
 
 
 def write_text_atomic(path: str | Path, text: str, *, fsync: bool = False) -> None:
