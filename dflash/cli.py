@@ -14,6 +14,7 @@ import sys
 from dflash.config import Config
 from dflash.declaration import restrict, stages
 from dflash.errors import ConfigError, OutputError, UserError
+from dflash.fileio import exit_on_sigterm
 from dflash.params import load_config
 
 
@@ -66,7 +67,8 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
         print(f"dflash {stage}: bad params: {err}", file=sys.stderr)
         return 2
     try:
-        return run_stage(stage, config)
+        with exit_on_sigterm():
+            return run_stage(stage, config)
     except (UserError, FileNotFoundError) as err:
         missing = isinstance(err, FileNotFoundError) and err.filename
         print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)

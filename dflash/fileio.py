@@ -18,6 +18,8 @@ import hashlib
 import json
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,6 +106,29 @@ def _swap(new: Path, path: Path, old: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+SIGTERM_EXIT = 128 + signal.SIGTERM
+"""The status a shell gives a process SIGTERM ended."""
+
+
+@contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """While the block runs, SIGTERM raises ``SystemExit(143)`` instead of ending the process
+    on the spot, so every ``finally`` runs: the ``.tmp`` files and directories of the atomic
+    writers are removed, not left beside the outputs. Outside the main thread, a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(SIGTERM_EXIT)
+
+
 def write_text_atomic(path: str | Path, text: str, *, fsync: bool = False) -> None:
     """Write ``text`` to ``path`` atomically; ``fsync`` also survives a power loss."""
     with atomic_path(path) as tmp, open(tmp, "w") as f:
@@ -129,6 +154,21 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             sha.update(chunk)
     return sha.hexdigest()
+
+
+def not_a_file(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as an input file, saying what it is (a phrase to follow the
+    path: "does not exist", "is a directory, not a file", ...); None for a regular file."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return "is a directory, not a file"
+    if path.exists():
+        return "is not a regular file (a FIFO, socket or device)"
+    if path.is_symlink():
+        return f"is a link to {os.readlink(path)}, which does not exist"
+    return "does not exist"
 
 
 def require_only(

@@ -20,11 +20,26 @@ from pydantic import BaseModel, ValidationError
 from dflash import paths
 from dflash.config import SET_NAME, Config
 from dflash.errors import ConfigError
+from dflash.fileio import not_a_file
 from dflash.param_types import Located, SubkeyError
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A ``SafeLoader`` that refuses a mapping holding one key twice."""
+    """A ``SafeLoader`` that refuses a mapping holding one key twice, and aliases.
+
+    An alias (``*name``) repeats a node wherever it is used: a few lines of aliases of
+    aliases expand to billions of values, so params and prompt files spell every value out.
+    """
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            mark = event.start_mark
+            raise ConfigError(
+                f"{mark.name}: line {mark.line + 1}, column {mark.column + 1}: YAML alias "
+                f"*{event.anchor} is not allowed; write the value out"
+            )
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set[Any] = set()
@@ -59,8 +74,9 @@ def read_params_file(path: str | Path) -> dict[str, Any]:
     """The sections of a params file. Missing, empty or not a mapping is an error: a run on
     the code's defaults (which differ from the committed ``params.yaml``) is never silent."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"params file {path} does not exist (see the committed params.yaml)")
+    why = not_a_file(path)
+    if why:
+        raise ConfigError(f"params file {path} {why} (see the committed params.yaml)")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:

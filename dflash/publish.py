@@ -17,8 +17,7 @@ from pathlib import Path
 from dflash import paths
 from dflash.errors import DirectoryInUse, UserError
 from dflash.eval.freshness import stale_drafter
-from dflash.eval.strata import scorecard_rows
-from dflash.fileio import atomic_dir, require_only
+from dflash.fileio import atomic_dir, exit_on_sigterm, require_only
 from dflash.fingerprint import path_digest
 from dflash.model.card import SCORECARD_HEADING, SCORECARD_NOTE, scorecard_section
 
@@ -50,6 +49,8 @@ def publish(root: Path, out: Path) -> None:
     source = root / paths.DRAFTER
     require_publish_or_empty(out, root)
     metrics = scored_metrics(root)
+    from dflash.eval.strata import scorecard_rows  # imports torch: not for --help or a refusal
+
     table = scorecard_rows(metrics)
     card = (source / paths.DRAFTER_CARD).read_text().replace(SCORECARD_NOTE, "")
     with atomic_dir(out) as tmp:
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=Path("."), help="the pipeline's directory")
     args = parser.parse_args(argv)
     try:
-        publish(args.root, args.out)
+        with exit_on_sigterm():
+            publish(args.root, args.out)
     except (UserError, FileNotFoundError) as err:
         print(f"dflash publish: {err}", file=sys.stderr)
         return 2

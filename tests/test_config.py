@@ -171,3 +171,36 @@ def test_hostile_params_files_exit_2_with_the_key(tmp_path, text, words):
 def test_a_key_twice_in_an_override_value_is_refused():
     with pytest.raises(ConfigError, match="twice"):
         load_config(None, ["batching.boundaries={a: 1, a: 2}"])
+
+
+def alias_bomb() -> str:
+    """Ten lines whose aliases of aliases expand to 9**10 strings."""
+    lines = ["data:", "  chat_template_kwargs:", "    a: &a [" + ", ".join(["x"] * 9) + "]"]
+    for prev, name in zip("abcdefghi", "bcdefghij", strict=True):
+        lines.append(f"    {name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_an_alias_bomb_exits_2_naming_the_line(tmp_path):
+    (tmp_path / "params.yaml").write_text(alias_bomb())
+    with pytest.raises(ConfigError, match=r"params.yaml: line 4, column 12: YAML alias \*a"):
+        load_config(tmp_path / "params.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash.cli", "tokenize"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "line 4" in proc.stderr and "alias *a is not allowed" in proc.stderr
+
+
+def test_an_alias_in_an_override_value_is_refused():
+    with pytest.raises(ConfigError, match=r"--set .*YAML alias \*x is not allowed"):
+        load_config(None, ["data.chat_template_kwargs={a: &x [1], b: *x}"])
+
+
+def test_a_params_path_that_is_a_directory_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a file"):
+        load_config(tmp_path)

@@ -96,7 +96,8 @@ def test_jsonl_ingest_counts_every_skip_reason_with_line_numbers(tmp_path, monke
         good[0],  # 8 duplicate
         json.dumps(SHAREGPT).encode(),  # 9
         *good[1:],  # 10..14
-        b"",  # 15 blank line: invalid JSON, counted, not ignored
+        b"",  # 15 blank line: no record, skipped uncounted
+        b"{",  # 16 invalid_json
     ]
     source = raw_source(tmp_path, "in.jsonl")
     write_jsonl(source, lines)
@@ -107,7 +108,7 @@ def test_jsonl_ingest_counts_every_skip_reason_with_line_numbers(tmp_path, monke
     skipped = {reason: entry["first_lines"] for reason, entry in report["skipped"].items()}
     assert skipped == {
         "invalid_utf8": [3],
-        "invalid_json": [2, 15],
+        "invalid_json": [2, 16],
         "too_deep": [],
         "too_long": [],
         "wrong_shape": [7],
@@ -116,7 +117,7 @@ def test_jsonl_ingest_counts_every_skip_reason_with_line_numbers(tmp_path, monke
         "no_assistant_turn": [6],
     }
     assert report["duplicates_removed"] == {"count": 1, "first_lines": [8]}
-    assert report["records_read"] == 15
+    assert report["records_read"] == 15  # 16 lines, one of them blank
     train = read_conversations(tmp_path / "data/ingested/conversations.parquet")
     assert len(train) == 7 == report["kept"]["train"]
     assert report["records_read"] == len(train) + report["skipped_total"] + 1
@@ -304,7 +305,7 @@ def test_missing_source_is_a_clear_error(tmp_path, monkeypatch, capsys, name):
     monkeypatch.chdir(tmp_path)
     assert run_cli(raw_source(tmp_path, name)) == 2
     err = capsys.readouterr().err
-    assert f"data.source = 'data/raw/{name}': no such file" in err and "Traceback" not in err
+    assert f"data.source = 'data/raw/{name}': does not exist" in err and "Traceback" not in err
 
 
 def test_a_run_killed_between_writes_leaves_the_old_outputs(tmp_path, monkeypatch):

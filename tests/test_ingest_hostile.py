@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -106,3 +107,59 @@ def test_links_inside_data_raw_and_into_the_dvc_cache_are_read(tmp_path, monkeyp
     assert cli.main(["ingest"]) == 0
     (tmp_path / "data/raw/inner.jsonl").symlink_to(tmp_path / source)
     assert cli.main(["ingest", "--set", "data.source=data/raw/inner.jsonl"]) == 0
+
+
+LONE_SURROGATES = [
+    b'{"messages": [{"role": "user", "content": "q\\ud800"}, '
+    b'{"role": "assistant", "content": "a"}]}',
+    b'{"id": "\\udfff", "messages": [{"role": "user", "content": "q"}, '
+    b'{"role": "assistant", "content": "a"}]}',
+    b'{"messages": "[{\\"role\\": \\"user\\", \\"content\\": \\"\\\\ud83d\\"}]"}',
+]
+PAIR = {"messages": [{"role": "user", "content": "\ud83d\ude00"}, GOOD[0]["messages"][1]]}
+
+
+def test_lone_surrogates_are_invalid_utf8_and_dropped(tmp_path, monkeypatch):
+    source = workspace(tmp_path, monkeypatch, "surrogates.jsonl")
+    (tmp_path / source).write_bytes(lines(GOOD[0], *LONE_SURROGATES, PAIR, GOOD[1]))
+    assert cli.main(["ingest"]) == 0
+    assert report()["skipped"]["invalid_utf8"] == {"count": 3, "first_lines": [2, 3, 4]}
+    kept = read_conversations(paths.CONVERSATIONS)
+    assert [c["messages"][0]["content"] for c in kept] == ["q0", "\U0001f600", "q1"]
+
+
+def test_a_prompt_set_counts_lone_surrogates_as_invalid_utf8(tmp_path, monkeypatch):
+    from dflash.eval.prompts import read_prompt_file
+
+    (tmp_path / "data/prompts").mkdir(parents=True)
+    (tmp_path / "data/prompts/set.jsonl").write_bytes(lines(GOOD[0], *LONE_SURROGATES))
+    monkeypatch.chdir(tmp_path)
+    conversations, records = read_prompt_file("data/prompts/set.jsonl", "evaluate.sets.s.path")
+    assert len(conversations) == 1
+    assert records["records_read"] == 4 and records["skipped"] == {"invalid_utf8": 3}
+
+
+def test_blank_lines_are_skipped_not_counted(tmp_path, monkeypatch):
+    source = workspace(tmp_path, monkeypatch, "blank.jsonl")
+    (tmp_path / source).write_bytes(lines(GOOD[0], b"", b"  \t\r", b"{oops", GOOD[1]) + b"\n")
+    assert cli.main(["ingest"]) == 0
+    assert report()["records_read"] == 3 and report()["skipped_total"] == 1
+    assert report()["skipped"]["invalid_json"] == {"count": 1, "first_lines": [4]}
+
+
+def test_a_directory_or_fifo_source_says_what_it_is(tmp_path, monkeypatch, capsys):
+    workspace(tmp_path, monkeypatch, "x")
+    (tmp_path / "data/raw/dir.jsonl").mkdir()
+    os.mkfifo(tmp_path / "data/raw/pipe.jsonl")
+    (tmp_path / "data/raw/dangling.jsonl").symlink_to(tmp_path / "data/raw/gone.jsonl")
+    for name, words in [
+        ("dir.jsonl", "is a directory, not a file"),
+        ("pipe.jsonl", "is not a regular file (a FIFO, socket or device)"),
+        ("dangling.jsonl", "gone.jsonl, which does not exist"),
+        ("gone.jsonl", "does not exist"),
+    ]:
+        assert cli.main(["ingest", "--set", f"data.source=data/raw/{name}"]) == 2
+        err = capsys.readouterr().err
+        assert f"data.source = 'data/raw/{name}': " in err and words in err
+        assert "Traceback" not in err
+    assert not paths.INGESTED.exists()

@@ -29,7 +29,7 @@ from dflash.data.chitchat import load_chitchat
 from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, open_parquet
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
 from dflash.errors import ConfigError
-from dflash.fileio import atomic_dir, write_json_atomic
+from dflash.fileio import atomic_dir, not_a_file, write_json_atomic
 from dflash.params import outside
 
 FIRST_LINES = 5
@@ -59,6 +59,8 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[int, object]]:
                 continue
             if number == 1 and raw.startswith(BOM):
                 raw = raw[len(BOM) :]
+            if not raw.strip():  # a blank line holds no record: not one to count
+                continue
             try:
                 yield number, decode_line(raw)
             except RecordError as err:
@@ -244,8 +246,9 @@ def open_source(source: str) -> tuple[Iterable[tuple[int, object]], dict]:
 
 def open_records(path: str, key: str, root: Path = paths.RAW) -> Iterable[tuple[int, object]]:
     """Numbered records of a ``.jsonl`` / ``.parquet`` file under ``root`` named by ``key``."""
-    if not Path(path).is_file():
-        raise ConfigError(f"{key} = {path!r}: no such file")
+    why = not_a_file(path)
+    if why:
+        raise ConfigError(f"{key} = {path!r}: {why}")
     require_inside(path, key, root)
     if not os.access(path, os.R_OK):
         raise ConfigError(f"{key} = {path!r}: not readable (permission denied)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 REASONS = (
     "invalid_utf8",
@@ -42,6 +43,9 @@ SHAREGPT_ROLES = {
     "tool": "tool",
 }
 BOM = b"\xef\xbb\xbf"
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate: the only way a lone one gets into parsed text."""
+SURROGATE = re.compile("[\ud800-\udfff]")
 REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 """Where records put an assistant's reasoning, first match wins; stored as ``reasoning_content``."""
 
@@ -65,11 +69,30 @@ def decode_line(raw: bytes) -> object:
 
 def _loads(text: str) -> object:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
         raise RecordError("invalid_json", str(err)) from None
     except RecursionError:
         raise RecordError("too_deep", "nested deeper than the JSON parser goes") from None
+    if SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        raise RecordError("invalid_utf8", "a \\u escape gives a lone surrogate, not a character")
+    return value
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """Whether a key or string of ``value`` holds half a surrogate pair, which no UTF-8 text
+    (hence no digest or Parquet file) can hold. A loop, not recursion: records nest deep."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and SURROGATE.search(item):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def parse_record(record: object, need_answer: bool = True) -> dict:

@@ -13,6 +13,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dflash.train.lock import launched_by_torchrun
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -28,10 +30,6 @@ class Dist:
     @property
     def enabled(self) -> bool:
         return dist.is_available() and dist.is_initialized()
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def init_distributed(timeout_s: float = 600.0) -> Dist:

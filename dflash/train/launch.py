@@ -5,11 +5,15 @@ size once, and only then starts ``torchrun`` with the resolved params handed ove
 temporary file, so ``--set`` overrides reach every rank. ``torchrun`` inherits the lock and
 dies with the launcher; each rank dies with ``torchrun``. Run under ``torchrun`` directly,
 rank 0 takes the lock itself.
+
+The lock comes before torch and transformers are imported (seconds): a second run on a busy
+workspace is refused at once.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,10 +24,8 @@ import yaml
 
 from dflash.config import Config
 from dflash.declaration import whole
-from dflash.train.distributed import launched_by_torchrun
-from dflash.train.lock import HELD_BY_LAUNCHER, WorkspaceBusy, workspace_lock
+from dflash.train.lock import HELD_BY_LAUNCHER, WorkspaceBusy, launched_by_torchrun, workspace_lock
 from dflash.train.orphans import die_with_parent, parent_death_signal
-from dflash.train.preflight import preflight
 
 
 def run(config: Config) -> int:
@@ -37,6 +39,7 @@ def run(config: Config) -> int:
 def _rank(config: Config) -> int:
     from dflash.train.loop import train
 
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops its ranks, blocked or not
     die_with_parent()
     own_lock = HELD_BY_LAUNCHER not in os.environ and os.environ.get("RANK") == "0"
     with workspace_lock() if own_lock else nullcontext():
@@ -46,6 +49,8 @@ def _rank(config: Config) -> int:
 
 def _launch(config: Config) -> int:
     with workspace_lock() as lock:
+        from dflash.train.preflight import preflight
+
         preflight(config)
         if config.train.world_size == 1:
             from dflash.train.loop import train

@@ -19,6 +19,11 @@ HELD_BY_LAUNCHER = "DFLASH_TRAIN_LOCK_HELD"
 """Set in the ranks' environment by a launcher that holds the lock for them."""
 
 
+def launched_by_torchrun() -> bool:
+    """Whether this process is a rank ``torchrun`` started (it sets both variables)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 class WorkspaceBusy(RuntimeError):
     """Another live process holds the workspace's training lock."""
 
