@@ -6,7 +6,8 @@
 Prints one JSON line per check, ``{"check", "value", "threshold", "pass"}``, and exits 1 if any
 check fails. The kernel checks run in this process; the pipeline checks build a small workspace
 in a temporary directory and train it under ``torchrun --nproc_per_node 1``: DDP with
-checkpoints, FSDP against DDP, SIGKILL and resume, then ``evaluate``. ``make test`` runs
+checkpoints, FSDP against DDP, SIGKILL and resume, then ``evaluate``. Twelve steps of varied
+shapes count host reads per micro-batch and report memory and MFU on the device. ``make test`` runs
 ``--smoke``, so the script cannot rot on machines without a GPU.
 """
 
@@ -232,6 +233,118 @@ def kernel_checks(smoke: bool) -> list[Check]:
     return checks
 
 
+# ---------------------------------------------------------------- step checks
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40S": 362e12}
+"""Dense bf16 tensor-core peaks by device name, for MFU; an unknown device reports none."""
+
+
+def step_model(smoke: bool, device):
+    """A random Qwen3-shaped target and its drafter, sized to fill a GPU step or a CPU smoke."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.model.drafter import DFlashDrafter
+
+    hidden, layers, vocab = (64, 6, 320) if smoke else (1024, 12, 32000)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                         head_dim=hidden // 8, max_position_embeddings=8192)  # fmt: skip
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = Qwen3ForCausalLM(config).to(device, dtype).eval().requires_grad_(False)
+    drafter = DFlashDrafter.from_target(
+        target,
+        block_size=16,
+        num_hidden_layers=1,
+        num_target_features=3,
+        mask_token_id=vocab - 1,
+        seed=0,
+    )
+    return target, drafter.to(device)  # fmt: skip
+
+
+def step_shapes(smoke: bool, vocab: int) -> tuple[dict, list[list[list[tuple[int, int, int]]]]]:
+    """Twelve packed micro-batches of different shapes over one random token store."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    scale = 1 if smoke else 16
+    lengths = rng.integers(40 * scale, 200 * scale, 48)
+    store = {i: (rng.integers(1, vocab - 1, n), (rng.random(n) < 0.7).astype(np.int64))
+             for i, n in enumerate(lengths)}  # fmt: skip
+    batches, sample = [], 0
+    for step in range(12):
+        rows = []
+        for _ in range(1 + step % 3):
+            row, offset = [], 0
+            for _ in range(1 + step % 4):
+                n = int(lengths[sample % 48])
+                row.append((sample % 48, offset, n))
+                offset, sample = offset + n, sample + 1
+            rows.append(row)
+        batches.append(rows)
+    return store, batches
+
+
+def step_checks(smoke: bool) -> list[Check]:
+    """Twelve varied-shape training steps: host reads, memory and model FLOP/s on the device."""
+    import contextlib
+
+    import torch
+
+    from dflash.train.batches import build_micro_batch
+    from dflash.train.distributed import Dist
+    from dflash.train.step import forward_backward
+    from dflash.train.syncs import HostReads
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    target, drafter = step_model(smoke, device)
+    store, plans = step_shapes(smoke, target.config.vocab_size)
+    flex = device.type == "cuda"
+    kw = dict(block_size=16, anchors_per_sequence=8 if smoke else 128, gamma=7.0, seed=0, epoch=0)
+    batches = [build_micro_batch(store, rows, **kw, flex=flex) for rows in plans]
+    ctx = Dist(rank=0, world_size=1, local_rank=0, device=device)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if flex
+                else contextlib.nullcontext())  # fmt: skip
+    layer_ids = drafter.config.target_layer_ids
+    if flex:
+        torch.cuda.reset_peak_memory_stats()
+    reads, began, flops = 0, time.perf_counter(), 0.0
+    for mb in batches:
+        mb = mb.to(device)
+        with HostReads() as counted:
+            forward_backward(ctx, target, drafter, layer_ids, [mb], 7.0, autocast)
+        reads = max(reads, len(counted.reads))
+        flops += step_flops(target, drafter, mb)
+    if flex:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    checks = [Check("step_host_reads_per_micro_batch", reads, "<= 2", reads <= 2)]
+    if not flex:
+        return checks
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    ratio = torch.cuda.memory_reserved() / max(torch.cuda.memory_allocated(), 1)
+    name = torch.cuda.get_device_name()
+    peak_flops = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    mfu = None if peak_flops is None else round(flops / seconds / peak_flops, 3)
+    checks += [
+        Check("step_peak_allocated_gib", round(peak, 2), "reported", True),
+        Check("step_reserved_over_allocated", round(ratio, 2), "<= 2", ratio <= 2),
+        Check("step_mfu_incl_compiles", mfu, f"reported ({name})", True),
+    ]
+    return checks
+
+
+def step_flops(target, drafter, mb) -> float:
+    """Model FLOPs of one step: the target's forward over its tokens, the drafter's forward and
+    backward over its block slots, the LM head's over the slots' labels (no attention terms)."""
+    params = sum(p.numel() for p in target.model.layers.parameters())
+    drafter_params = sum(p.numel() for n, p in drafter.named_parameters() if p.requires_grad)
+    slots = int((mb.anchors >= 0).sum()) * 16
+    head = target.config.vocab_size * target.config.hidden_size
+    return 2 * params * mb.padded_tokens + 6 * drafter_params * slots + 6 * head * slots
+
+
 # ---------------------------------------------------------------- driver
 def run_all(groups: dict[str, Callable[[], list[Check]]]) -> int:
     failed = 0
@@ -261,6 +374,7 @@ def main() -> int:
         return run_all(
             {
                 "kernels": lambda: kernel_checks(args.smoke),
+                "steps": lambda: step_checks(args.smoke),
                 "pipeline": lambda: pipeline_checks(root, args.smoke),
             }
         )
