@@ -15,9 +15,10 @@ Three ways to make samples of a conversation (``data.turns``):
 - ``per_turn``: one sample per assistant turn, its prompt then its output: each turn is
   learned with its reasoning, in exactly the context the target served it in, at the cost of
   repeating the history once per turn.
-- ``auto``: the whole chat when it shows every turn as served, else as few samples as that
-  takes: the whole chat, plus one per turn it hides, ending with that turn as served and
-  learning every hidden turn its history shows. For Qwen3 that is one sample per user query.
+- ``auto`` (the default): the whole chat when it shows every turn as served; else also,
+  working back from the last turn it hides, that turn as served, which learns every hidden
+  turn its history shows, until none is hidden. Every turn is learned in its served context,
+  in as few samples as the template allows: for Qwen3 one per user query.
 
 User, system and tool-result text is never learned. A turn that cannot be mapped is left out
 with a reason (:data:`SKIP_REASONS`) for the tokenize report, never an exception.
@@ -405,6 +406,7 @@ def _plan(
 ) -> ChatSamples:
     """The samples of one chat as texts and learned spans, per ``data.turns``."""
     messages, tools = screened.chat["messages"], screened.chat.get("tools")
+    render = _prefix_cache(render)
     if screened.dropped:
         reason = "special_tokens_in_content"
         plan = ChatSamples(skipped=[(i, reason) for i in assistant_indices(messages)])
@@ -415,6 +417,22 @@ def _plan(
         plan = sampler(render, messages, tools, text, limit)
     plan.special_tokens_in_content = screened.held
     return plan
+
+
+def _prefix_cache(render: Render) -> Render:
+    """``render`` for the prefixes of one conversation, each rendered once: the searches of
+    several samples render the same history again (a render is milliseconds)."""
+    memo: dict[tuple[int, bool], str] = {}
+
+    def cached(
+        messages: Sequence[dict], add_generation_prompt: bool = False, tools: list | None = None
+    ) -> str:
+        key = (len(messages), add_generation_prompt)
+        if key not in memo:
+            memo[key] = render(messages, add_generation_prompt, tools)
+        return memo[key]
+
+    return cached
 
 
 def _encoded(
