@@ -1,29 +1,60 @@
-"""Token cost of the two ``data.turns`` policies on a conversations file, for any tokenizer.
+"""Token cost of the ``data.turns`` policies: samples, tokens, loss tokens and assistant turns
+learned or left out (per reason), each conversation encoded uncut.
 
-Encodes every conversation of a conversations Parquet file (the format ``data/ingested`` and
-``data/regenerated`` hold) both ways, uncut, and prints per policy the samples, tokens, loss
-tokens and assistant turns learned or left out (per reason):
+Built-in corpora, made in code from the default corpus (the first ``--max-conversations``
+chitchat chats, as ingest reads them):
 
-    .venv/bin/python bench/turn_policy_cost.py data/ingested/conversations.parquet \\
-        --tokenizer models/tokenizer
-    .venv/bin/python bench/turn_policy_cost.py chats.parquet --tokenizer ../shared/fixtures/\\
-qwen3-tokenizer --kwargs '{"enable_thinking": false}' --json
+- ``default``: the chats, with a byte-level BPE trained on them as the tokenizer stage does
+  (ChatML, ``tokenizer.vocab_size`` 4,096): what a default run tokenizes.
+- ``thinking``: every answer given a reasoning (its own words, restated), one answer per user
+  query, through ``--tokenizer`` (a Qwen3 tokenizer: its template drops the reasoning of
+  turns before the last user query).
+- ``agent``: the same, each answer reached through a chain of 0 to 3 tool calls, each with
+  its reasoning (agentic thinking data: several assistant turns per user query).
 
-``--thinking`` first gives every assistant turn a reasoning (its answer's first words, restated)
-so a corpus without reasoning can stand in for what a thinking target regenerates.
+Or any conversations Parquet file (``data/ingested``, ``data/regenerated``):
+
+    .venv/bin/python bench/turn_policy_cost.py --corpus default thinking agent \\
+        --tokenizer ../shared/fixtures/qwen3-tokenizer --max-conversations 200
+    .venv/bin/python bench/turn_policy_cost.py --tokenizer models/tokenizer \\
+        --conversations data/ingested/conversations.parquet --kwargs '{"enable_thinking": false}'
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from collections import Counter
 
 import numpy as np
 
 from dflash.data.chat import TURN_POLICIES, encode_chats
+from dflash.data.chitchat import load_chitchat
 from dflash.data.conversations import read_conversations
-from dflash.data.tokenizer import load_tokenizer
+from dflash.data.records import RecordError, parse_record
+from dflash.data.tokenizer import add_mask_token, load_tokenizer, train_tokenizer
+
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Search notes for a phrase",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}},
+    },
+}
+
+
+def chitchat(n: int) -> list[dict]:
+    """The first ``n`` chats of the default corpus that ingest keeps, parsed as it does."""
+    return list(itertools.islice(filter(None, map(_parsed, load_chitchat())), n))
+
+
+def _parsed(entry: tuple[dict, int]) -> dict | None:
+    try:
+        return parse_record(entry[0])
+    except RecordError:
+        return None
 
 
 def with_reasoning(rows: list[dict]) -> list[dict]:
@@ -36,10 +67,48 @@ def with_reasoning(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def with_tool_chains(rows: list[dict]) -> list[dict]:
+    """Before the answer to user query ``q`` of chat ``c``, ``(c + q) % 4`` tool calls, each
+    with its reasoning and its result: several assistant turns per query."""
+    for c, row in enumerate(rows):
+        messages, query = [], 0
+        for message in row["messages"]:
+            if message["role"] == "assistant":
+                messages += _chain(message["content"], c + query, (c + query) % 4)
+                query += 1
+            messages.append(message)
+        row["messages"], row["tools"] = messages, [LOOKUP]
+    return rows
+
+
+def _chain(answer: str, key: int, calls: int) -> list[dict]:
+    words = answer.split()[:4] or ["notes"]
+    chain = []
+    for k in range(calls):
+        call_id = f"call{key:05d}{k}"[-9:]
+        arguments = json.dumps({"query": " ".join(words[: k + 1])})
+        chain += [
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": f"I should search my notes for {words[k % len(words)]}.",
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": "lookup", "arguments": arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call_id, "name": "lookup", "content": answer},
+        ]
+    return chain
+
+
 def cost(tokenizer, rows: list[dict], turns: str, options: dict) -> dict:
     tokens = loss = samples = learned = 0
     skipped: Counter[str] = Counter()
-    for encoded, plan in encode_chats(tokenizer, rows, turns, options):
+    for encoded, plan in encode_chats(tokenizer, rows, turns, options, special_tokens="keep"):
         samples += len(encoded)
         tokens += sum(len(ids) for ids, _ in encoded)
         loss += sum(int(np.count_nonzero(mask)) for _, mask in encoded)
@@ -49,32 +118,52 @@ def cost(tokenizer, rows: list[dict], turns: str, options: dict) -> dict:
         "samples": samples,
         "tokens": tokens,
         "loss_tokens": loss,
-        "tokens_per_loss_token": tokens / max(loss, 1),
+        "tokens_per_loss_token": round(tokens / max(loss, 1), 2),
         "turns_learned": learned,
         "turns_left_out": dict(skipped),
     }
 
 
+def corpus(name: str, args) -> tuple[list[dict], object]:
+    """The conversations and the tokenizer of a built-in corpus."""
+    rows = chitchat(args.max_conversations)
+    if name == "default":
+        texts = (m["content"] for row in rows for m in row["messages"])
+        tokenizer = train_tokenizer(texts, 4096)
+        add_mask_token(tokenizer)
+        return rows, tokenizer
+    if args.tokenizer is None:
+        raise SystemExit(f"--corpus {name} needs --tokenizer (a Qwen3 tokenizer directory)")
+    rows = with_reasoning(rows)
+    return (with_tool_chains(rows) if name == "agent" else rows), load_tokenizer(args.tokenizer)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("conversations")
-    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--corpus", nargs="+", choices=("default", "thinking", "agent"))
+    parser.add_argument("--conversations", help="a conversations Parquet file instead")
+    parser.add_argument("--tokenizer")
     parser.add_argument("--kwargs", default="{}", help="chat_template_kwargs as JSON")
     parser.add_argument("--thinking", action="store_true", help="add a reasoning to every answer")
-    parser.add_argument("--max-conversations", type=int, help="the first N only")
+    parser.add_argument("--max-conversations", type=int, default=1000, help="the first N only")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    tokenizer = load_tokenizer(args.tokenizer)
-    rows = read_conversations(args.conversations)[: args.max_conversations]
-    if args.thinking:
-        rows = with_reasoning(rows)
     options = json.loads(args.kwargs)
-    result = {turns: cost(tokenizer, rows, turns, options) for turns in TURN_POLICIES}
-    if args.json:
-        print(json.dumps({"conversations": len(rows), **result}))
-        return
-    for turns, figures in result.items():
-        print(f"{turns:>16}: {json.dumps(figures)}")
+    results = {}
+    if args.conversations:
+        rows = read_conversations(args.conversations)[: args.max_conversations]
+        rows = with_reasoning(rows) if args.thinking else rows
+        results[args.conversations] = (rows, load_tokenizer(args.tokenizer))
+    for name in args.corpus or ():
+        results[name] = corpus(name, args)
+    for name, (rows, tokenizer) in results.items():
+        result = {turns: cost(tokenizer, rows, turns, options) for turns in TURN_POLICIES}
+        if args.json:
+            print(json.dumps({"corpus": name, "conversations": len(rows), **result}))
+            continue
+        print(f"{name} ({len(rows)} conversations)")
+        for turns, figures in result.items():
+            print(f"{turns:>18}: {json.dumps(figures)}")
 
 
 if __name__ == "__main__":

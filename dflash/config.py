@@ -32,8 +32,13 @@ class DataConfig(Section):
     """Records tokenized per chunk: bounds memory of the tokenize stage."""
     num_workers: Int | None = Field(None, ge=1)
     """Processes that tokenize; None = every core. The output is the same for any count."""
-    turns: Literal["per_conversation", "per_turn"] = "per_conversation"
-    """One sample per conversation, or one per assistant turn (see dflash.data.chat)."""
+    turns: Literal["auto", "per_conversation", "per_turn"] = "auto"
+    """How a conversation becomes samples: ``auto`` learns every turn in the context it was
+    served in, with as few samples as the template allows (see dflash.data.chat)."""
+    special_tokens_in_content: Literal["drop", "escape", "keep"] = "drop"
+    """A conversation whose text holds the tokenizer's special-token strings (a written
+    ``<|im_end|>``) is left out, tokenized as plain text, or kept as control tokens (see
+    dflash.data.specials)."""
     chat_template_kwargs: TemplateOptions = {}
     """Options every chat rendering passes to the template, e.g. {enable_thinking: false}."""
 

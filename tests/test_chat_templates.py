@@ -253,3 +253,79 @@ def test_qwen3_thinking_off_finds_a_call_whose_markup_shares_a_prefix_with_think
     assert plan.skipped == [] and plan.learned == 2
     call, answer = learned(tokenizer, encoded)[0].split("<|im_end|>")[:2]
     assert call.startswith("<tool_call>\n") and answer == "It is 3 degrees."
+
+
+THINKING_CHAIN = {
+    "tools": [WEATHER],
+    "messages": [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "reasoning": "Add two and two.", "content": "4."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "reasoning": "Ask the weather tool.",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call00001",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call00001", "name": "weather", "content": "3 degrees"},
+        {"role": "assistant", "reasoning": "Report it.", "content": "It is 3 degrees."},
+    ],
+}
+
+
+def test_auto_learns_every_turn_as_served_in_one_sample_per_user_query():
+    """Qwen3 drops reasoning before the last user query: the first query's answer gets its
+    own sample, the second query's tool chain stays one sample, every turn as per_turn."""
+    tokenizer = tiny_tokenizer("qwen3")
+    chat = parse_record(THINKING_CHAIN)
+    [(per_turn, _)] = encode_chats(tokenizer, [chat], "per_turn")
+    [(encoded, plan)] = encode_chats(tokenizer, [chat], "auto")
+    assert plan.skipped == [] and plan.learned == 3 and len(encoded) == 2
+    first, chain = learned(tokenizer, encoded)
+    assert [first] == learned(tokenizer, per_turn[:1])
+    assert first == "<think>\nAdd two and two.\n</think>\n\n4.<|im_end|>"
+    assert chain == "".join(learned(tokenizer, per_turn[1:]))
+    assert "Ask the weather tool." in chain and chain.endswith("It is 3 degrees.<|im_end|>")
+    # The chain's sample is the whole chat: its history shows the first answer as served.
+    ids, mask = encoded[1]
+    assert "<|im_start|>assistant\n4.<|im_end|>" in prompt_part(tokenizer, ids, mask)
+    assert sum(len(ids) for ids, _ in encoded) < sum(len(ids) for ids, _ in per_turn)
+    for text in (first, chain):
+        assert not any(word in text for word in NEVER_LEARNED)
+
+
+def test_auto_is_the_whole_conversation_when_the_template_shows_every_turn(target):
+    """A tool chain after one query, and for templates that keep history any chat: one
+    sample, the very one per_conversation makes. (Qwen3 shows a chain's steps as served when
+    each has its reasoning: a step served with an empty think block loses it in history.)"""
+    name, tokenizer = target
+    chain = {**THINKING_CHAIN, "messages": THINKING_CHAIN["messages"][2:]}
+    records = [chain] if name == "qwen3" else [TOOL_RECORD, REASONING_RECORD, THINKING_CHAIN]
+    chats = [parse_record(record) for record in records]
+    auto = encode_chats(tokenizer, chats, "auto")
+    whole = encode_chats(tokenizer, chats, "per_conversation")
+    for (encoded, plan), (expected, reference) in zip(auto, whole, strict=True):
+        assert len(encoded) == 1 and plan.learned == reference.learned >= 2
+        assert plan.skipped == reference.skipped == []
+        for (ids, mask), (ids_, mask_) in zip(encoded, expected, strict=True):
+            assert np.array_equal(ids, ids_) and np.array_equal(mask, mask_)
+
+
+def test_auto_keeps_turns_truncation_cuts_cut():
+    """A turn past the cut of the whole chat gets no sample of its own: any sample holding
+    it would be cut there too. A hidden turn before the cut still gets its sample."""
+    tokenizer = tiny_tokenizer("qwen3")
+    chat = parse_record(THINKING_CHAIN)
+    [([(first_ids, _), _], _)] = encode_chats(tokenizer, [chat], "auto")
+    cut = len(first_ids) - 10  # inside the first answer; the chain starts later in the chat
+    [(encoded, plan)] = encode_chats(tokenizer, [chat], "auto", max_tokens=cut)
+    assert plan.learned == 1 and plan.skipped == [] and len(encoded) == 1
+    [(ids, mask)] = encoded
+    assert np.array_equal(ids, first_ids[:cut])
+    assert learned(tokenizer, encoded)[0].startswith("<think>\nAdd two")

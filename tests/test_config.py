@@ -49,6 +49,11 @@ def test_explicit_boundaries_list():
         ("batching.boundaries=[512, 64]", ["batching.boundaries", "increasing"]),
         ("batching.boundaries=best", ["batching.boundaries", "'optimal'"]),
         ("data.source=corpus.csv", ["data.source", ".jsonl"]),
+        ("data.turns=per_message", ["data.turns", "'auto'", "'per_turn'"]),
+        (
+            "data.special_tokens_in_content=strip",
+            ["data.special_tokens_in_content", "'drop'", "'escape'", "'keep'"],
+        ),
         ("target.hidden_size=130", ["target.hidden_size", "multiple"]),
         ("evaluate.max_new_tokens=1024", ["evaluate.max_new_tokens", "data.max_seq_len"]),
         ("train.lr=.nan", ["train.lr", "nan", "finite"]),

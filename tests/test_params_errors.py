@@ -34,6 +34,7 @@ def assert_params_error(capsys, key: str) -> None:
         ("data.chat_template_kwargs=3", "data.chat_template_kwargs"),
         ("evaluate.chat_template_kwargs={messages: 1}", "evaluate.chat_template_kwargs"),
         ("data.turns=per_message", "data.turns"),
+        ("data.special_tokens_in_content=strip", "data.special_tokens_in_content"),
         ("evaluate.sets={g: {path: /tmp/g.jsonl}}", "evaluate.sets.g.path = '/tmp/g.jsonl'"),
         ("evaluate.sets={g: {path: data/prompts/g.txt}}", "evaluate.sets.g.path"),
         ("evaluate.sets={g: {}}", "evaluate.sets.g.path = None: a prompt set needs a path"),

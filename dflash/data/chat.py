@@ -6,7 +6,7 @@ adds when the turn itself is rendered last, reasoning, tool-call markup and end-
 included. Nothing about one template's markup is assumed; only text is compared, and the fast
 tokenizer's offset mapping turns character spans into tokens.
 
-Two ways to make samples of a conversation (``data.turns``):
+Three ways to make samples of a conversation (``data.turns``):
 
 - ``per_conversation``: the whole chat rendered once; a turn is learned where the template
   shows its served output in full. Templates that rewrite history (Qwen3 drops the reasoning
@@ -15,6 +15,10 @@ Two ways to make samples of a conversation (``data.turns``):
 - ``per_turn``: one sample per assistant turn, its prompt then its output: each turn is
   learned with its reasoning, in exactly the context the target served it in, at the cost of
   repeating the history once per turn.
+- ``auto`` (the default): the whole chat when it shows every turn as served; else also,
+  working back from the last turn it hides, that turn as served, which learns every hidden
+  turn its history shows, until none is hidden. Every turn is learned in its served context,
+  in as few samples as the template allows: for Qwen3 one per user query.
 
 User, system and tool-result text is never learned. A turn that cannot be mapped is left out
 with a reason (:data:`SKIP_REASONS`) for the tokenize report, never an exception.
@@ -32,14 +36,23 @@ import numpy as np
 from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
+from dflash.data.specials import SPECIAL_CONTENT, ContentSpecials, Escaped, encode_escaped
+
 Span = tuple[int, int]
 Render = Callable[..., str]
-TURN_POLICIES = ("per_conversation", "per_turn")
-SKIP_REASONS = ("template_error", "prompt_not_continued", "content_rewritten", "not_shown_in_full")
+TURN_POLICIES = ("auto", "per_conversation", "per_turn")
+SKIP_REASONS = (
+    "template_error",
+    "prompt_not_continued",
+    "content_rewritten",
+    "not_shown_in_full",
+    "special_tokens_in_content",
+)
 """Why an assistant turn is left out: the template raised on the chat; it renders the turn
 differently from the prompt it serves (e.g. reasoning in the data under ``enable_thinking:
 false``); its rendering lacks the message's content; or (``per_conversation``) the whole chat
-does not show its served output."""
+does not show its served output; or its conversation's text holds special-token strings
+and ``data.special_tokens_in_content`` is ``drop``."""
 TEMPLATE_FAILURES = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError)
 """What rendering a chat the template was not written for can raise."""
 
@@ -156,6 +169,8 @@ class ChatSamples:
     learned: int = 0
     skipped: list[tuple[int, str]] = field(default_factory=list)
     """(message index, reason) of every assistant turn left out."""
+    special_tokens_in_content: bool = False
+    """Whether the conversation's text holds special-token strings."""
 
 
 def assistant_indices(messages: Sequence[dict]) -> list[int]:
@@ -176,6 +191,20 @@ def per_turn_samples(render: Render, messages: Sequence[dict], tools=None) -> Ch
     return out
 
 
+def served_turns(
+    render: Render, messages: Sequence[dict], tools=None
+) -> tuple[list[Turn], list[tuple[int, str]]]:
+    """Every assistant turn as served, and (index, reason) of each that cannot be mapped."""
+    turns, skipped = [], []
+    for i in assistant_indices(messages):
+        turn = served_turn(render, messages, i, tools)
+        if isinstance(turn, str):
+            skipped.append((i, turn))
+        else:
+            turns.append(turn)
+    return turns, skipped
+
+
 def conversation_sample(
     render: Render,
     messages: Sequence[dict],
@@ -188,29 +217,80 @@ def conversation_sample(
 
     Turns that start at or after character ``limit`` are not looked at: truncation cuts them.
     """
+    out, _, hidden = _whole_chat(render, messages, tools, text, limit)
+    out.skipped = sorted(out.skipped + [(turn.index, "not_shown_in_full") for turn in hidden])
+    return out
+
+
+def auto_samples(
+    render: Render,
+    messages: Sequence[dict],
+    tools: list | None,
+    text: str | None,
+    limit: int | None = None,
+) -> ChatSamples:
+    """The whole chat ``text`` when it shows every turn as served; else also, while a turn is
+    hidden, the last hidden turn as served, learning every hidden turn its history shows.
+
+    Working back from the end gives the fewest samples for templates that rewrite a turn
+    once a later user query follows it (Qwen3): one sample per user query, a tool-calling
+    chain after one query staying whole. Turns truncation cuts from the whole chat (at
+    ``limit``) are cut here too: any sample holding them is at least as long.
+    """
+    out, turns, hidden = _whole_chat(render, messages, tools, text, limit)
+    extra: list[tuple[str, list[Span]]] = []
+    while hidden:
+        last, earlier = hidden[-1], hidden[:-1]
+        spans, hidden = _shown_outputs(render, messages, tools, earlier, last.prompt)
+        start = len(last.prompt)
+        extra.append((last.prompt + last.output, [*spans, (start, start + len(last.output))]))
+        out.learned += len(spans) + 1
+    if extra and not out.samples[0][1]:
+        out.samples = []
+    out.samples[:0] = extra[::-1]
+    return out
+
+
+def _whole_chat(
+    render: Render, messages: Sequence[dict], tools, text: str | None, limit: int | None
+) -> tuple[ChatSamples, list[Turn], list[Turn]]:
+    """The whole chat as one sample, the turns as served, and those it does not show."""
     out = ChatSamples()
     if text is None:
         out.skipped = [(i, "template_error") for i in assistant_indices(messages)]
-        return out
+        return out, [], []
+    turns, out.skipped = served_turns(render, messages, tools)
+    spans, hidden = _shown_outputs(render, messages, tools, turns, text, limit)
+    out.samples.append((text, spans))
+    out.learned = len(spans)
+    return out, turns, hidden
+
+
+def _shown_outputs(
+    render: Render,
+    messages: Sequence[dict],
+    tools,
+    turns: Sequence[Turn],
+    text: str,
+    limit: int | None = None,
+) -> tuple[list[Span], list[Turn]]:
+    """Spans of the ``turns`` whose served output ``text`` shows in full, and the turns it
+    does not show; turns starting at or after ``limit`` are neither."""
     spans: list[Span] = []
+    hidden: list[Turn] = []
     searched = 0
-    for i in assistant_indices(messages):
-        turn = served_turn(render, messages, i, tools)
-        if isinstance(turn, str):
-            out.skipped.append((i, turn))
-            continue
+    for turn in turns:
+        i = turn.index
         start = max(_turn_start(render, messages[:i], tools, turn.prompt, text), searched)
         if limit is not None and start >= limit:
             break
         at = text.find(turn.output, start)
         if at < 0:
-            out.skipped.append((i, "not_shown_in_full"))
+            hidden.append(turn)
             continue
         searched = at + len(turn.output)
         spans.append((at, searched))
-        out.learned += 1
-    out.samples.append((text, spans))
-    return out
+    return spans, hidden
 
 
 def _turn_start(render: Render, before: Sequence[dict], tools, prompt: str, text: str) -> int:
@@ -256,41 +336,117 @@ def loss_mask(
 def encode_chats(
     tokenizer: PreTrainedTokenizerFast,
     chats: Sequence[Mapping],
-    turns: str = "per_conversation",
+    turns: str = "auto",
     options: Mapping | None = None,
     max_tokens: int | None = None,
+    special_tokens: str = "drop",
 ) -> list[tuple[list[tuple[np.ndarray, np.ndarray]], ChatSamples]]:
     """Samples of every chat (``{"messages", "tools"?}``): token ids (uint32) and loss mask
     (uint8, 1 = learn) per sample, with the chat's :class:`ChatSamples` (texts dropped).
 
-    One fast-tokenizer call for all. With ``max_tokens`` every sample is cut to at most that
-    many tokens; ``per_conversation`` then searches the mask only in the part that is kept,
-    which saves most of the work on long chats.
+    Few fast-tokenizer calls for all. With ``max_tokens`` every sample is cut to at most that
+    many tokens; ``per_conversation`` and ``auto`` then search the mask only in the part of
+    the whole chat that is kept, which saves most of the work on long chats.
+    ``special_tokens`` is what a chat holding special-token strings in its text becomes
+    (:mod:`dflash.data.specials`).
     """
     if turns not in TURN_POLICIES:
         raise ValueError(f"turns = {turns!r}: allowed are {', '.join(TURN_POLICIES)}")
+    if special_tokens not in SPECIAL_CONTENT:
+        raise ValueError(f"special_tokens = {special_tokens!r}: allowed are {SPECIAL_CONTENT}")
     render = template_renderer(tokenizer, options)
-    if turns == "per_turn":
-        plans = [per_turn_samples(render, c["messages"], c.get("tools")) for c in chats]
-        texts = [text for plan in plans for text, _ in plan.samples]
-        encodings = _encode_batch(tokenizer, texts)
-    else:
-        texts = [_render_chat(render, c) for c in chats]
-        encodings = _encode_batch(tokenizer, [text or "" for text in texts])
-        plans = [
-            conversation_sample(render, c["messages"], c.get("tools"), text, _limit(e, max_tokens))
-            for c, text, e in zip(chats, texts, encodings, strict=True)
-        ]
-    ends, encodings = end_of_turn_ids(tokenizer), iter(encodings)
+    screen = ContentSpecials(tokenizer)
+    screened = [_screened(screen, chat, special_tokens) for chat in chats]
+    wholes: list[str | None] = [None] * len(chats)
+    known: dict[tuple[int, str], object] = {}
+    if turns != "per_turn":
+        wholes = [None if s.dropped else _render_chat(render, s.chat) for s in screened]
+        rendered = [(k, text) for k, text in enumerate(wholes) if text is not None]
+        known = _encoded(tokenizer, rendered, screened)
+    plans = [
+        _plan(render, s, turns, text, _limit(known.get((k, text)), max_tokens))
+        for k, (s, text) in enumerate(zip(screened, wholes, strict=True))
+    ]
+    texts = [(k, text) for k, plan in enumerate(plans) for text, _ in plan.samples]
+    known.update(_encoded(tokenizer, [key for key in texts if key not in known], screened))
+    ends = end_of_turn_ids(tokenizer)
     results = []
-    for plan in plans:
+    for k, plan in enumerate(plans):
         encoded = []
-        for _, spans in plan.samples:
-            ids, offsets = _arrays(next(encodings), max_tokens)
+        for text, spans in plan.samples:
+            ids, offsets = _arrays(known[k, text], max_tokens)
             encoded.append((ids, loss_mask(ids, offsets, spans, ends)))
         plan.samples = []
         results.append((encoded, plan))
     return results
+
+
+@dataclass(frozen=True)
+class _Screened:
+    """A chat as it is rendered, once its special-token strings have been looked for."""
+
+    chat: Mapping
+    held: bool
+    """Whether its text holds special-token strings."""
+    dropped: bool
+    escaped: Escaped | None
+    """Its placeholders, when its strings are escaped (``chat`` is then ``escaped.chat``)."""
+
+
+def _screened(screen: ContentSpecials, chat: Mapping, special_tokens: str) -> _Screened:
+    held = screen.held(chat)
+    if held and special_tokens == "escape":
+        escaped = screen.escaped(dict(chat))
+        return _Screened(escaped.chat, True, False, escaped)
+    return _Screened(chat, held, held and special_tokens == "drop", None)
+
+
+def _plan(
+    render: Render, screened: _Screened, turns: str, text: str | None, limit: int | None
+) -> ChatSamples:
+    """The samples of one chat as texts and learned spans, per ``data.turns``."""
+    messages, tools = screened.chat["messages"], screened.chat.get("tools")
+    render = _prefix_cache(render)
+    if screened.dropped:
+        reason = "special_tokens_in_content"
+        plan = ChatSamples(skipped=[(i, reason) for i in assistant_indices(messages)])
+    elif turns == "per_turn":
+        plan = per_turn_samples(render, messages, tools)
+    else:
+        sampler = auto_samples if turns == "auto" else conversation_sample
+        plan = sampler(render, messages, tools, text, limit)
+    plan.special_tokens_in_content = screened.held
+    return plan
+
+
+def _prefix_cache(render: Render) -> Render:
+    """``render`` for the prefixes of one conversation, each rendered once: the searches of
+    several samples render the same history again (a render is milliseconds)."""
+    memo: dict[tuple[int, bool], str] = {}
+
+    def cached(
+        messages: Sequence[dict], add_generation_prompt: bool = False, tools: list | None = None
+    ) -> str:
+        key = (len(messages), add_generation_prompt)
+        if key not in memo:
+            memo[key] = render(messages, add_generation_prompt, tools)
+        return memo[key]
+
+    return cached
+
+
+def _encoded(
+    tokenizer: PreTrainedTokenizerFast, keyed: list[tuple[int, str]], screened: list[_Screened]
+) -> dict[tuple[int, str], object]:
+    """The encoding of each (chat number, sample text): in one batch, but for escaped chats."""
+    plain = [(k, text) for k, text in keyed if screened[k].escaped is None]
+    out: dict[tuple[int, str], object] = dict(
+        zip(plain, _encode_batch(tokenizer, [text for _, text in plain]), strict=True)
+    )
+    for k, text in keyed:
+        if screened[k].escaped is not None:
+            out[k, text] = encode_escaped(tokenizer, text, screened[k].escaped)
+    return out
 
 
 def _render_chat(render: Render, chat: Mapping) -> str | None:
@@ -302,7 +458,7 @@ def _render_chat(render: Render, chat: Mapping) -> str | None:
 
 def _limit(encoding, max_tokens: int | None) -> int | None:
     """The character where a sample cut to ``max_tokens`` ends (None: nothing is cut)."""
-    if max_tokens is None or not encoding.offsets[:max_tokens]:
+    if encoding is None or max_tokens is None or not encoding.offsets[:max_tokens]:
         return None
     return encoding.offsets[:max_tokens][-1][1]
 
@@ -328,7 +484,9 @@ def encode_conversations(
     chats = [{"messages": messages} for messages in conversations]
     results = []
     for messages, (encoded, samples) in zip(
-        conversations, encode_chats(tokenizer, chats, max_tokens=max_tokens), strict=True
+        conversations,
+        encode_chats(tokenizer, chats, "per_conversation", None, max_tokens, "keep"),
+        strict=True,
     ):
         if samples.skipped:
             i, reason = samples.skipped[0]

@@ -42,6 +42,7 @@ from dflash.data.conversations import (
     read_conversations,
     write_conversations,
 )
+from dflash.data.specials import special_strings
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
 from dflash.fileio import atomic_path, remove_files, write_json_atomic
 from dflash.fingerprint import digest, path_digest
@@ -126,8 +127,7 @@ def stop_cutter(tokenizer: PreTrainedTokenizerBase) -> Callable[[str], tuple[str
     The tokenize stage reads those strings in an answer as control tokens: a written
     ``<|im_end|>`` would end the turn there and what follows would be learned as new turns.
     """
-    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    strings = sorted(special | set(tokenizer.all_special_tokens), key=len, reverse=True)
+    strings = special_strings(tokenizer)
     pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
 
     def cut(text: str) -> tuple[str, bool]:

@@ -3,10 +3,12 @@
 Conversations stream through in chunks of ``data.chunk_size``, encoded by
 ``data.num_workers`` processes and written in input order, so memory is bounded by a few
 chunks whatever the corpus size and the store is byte-identical for any worker count. Each
-conversation becomes one sample or one per assistant turn (``data.turns``, see
-:mod:`dflash.data.chat`), rendered with ``data.chat_template_kwargs``. Each sample is cut to
-``data.max_seq_len`` (or dropped, per ``data.overlength``) and dropped when it has fewer than
-``2 x drafter.block_size`` loss tokens: too few for even one anchored block plus its targets.
+conversation becomes samples per ``data.turns`` (see :mod:`dflash.data.chat`), rendered with
+``data.chat_template_kwargs``; one whose text holds special-token strings is dropped,
+escaped or kept per ``data.special_tokens_in_content`` (:mod:`dflash.data.specials`). Each
+sample is cut to ``data.max_seq_len`` (or dropped, per ``data.overlength``) and dropped when
+it has fewer than ``2 x drafter.block_size`` loss tokens: too few for even one anchored
+block plus its targets.
 Every drop, and every assistant turn the template does not let us map, is counted; a run
 that keeps no sample fails with the report.
 """
@@ -49,8 +51,9 @@ class Policy:
     max_seq_len: int
     overlength: str
     min_loss_tokens: int
-    turns: str = "per_conversation"
+    turns: str = "auto"
     chat_template_kwargs: dict = field(default_factory=dict)
+    special_tokens_in_content: str = "drop"
 
 
 @dataclass
@@ -67,6 +70,8 @@ class Encoded:
     dropped: dict[str, int]
     turns: dict[str, int] = field(default_factory=dict)
     """Assistant turns ``learned`` and left out, per reason of :data:`SKIP_REASONS`."""
+    special_tokens_in_content: int = 0
+    """Conversations whose text holds special-token strings."""
 
 
 def encode_chunk(
@@ -76,13 +81,19 @@ def encode_chunk(
     rows = batch_rows(batch)
     # One token past the limit is enough to tell an overlength sample.
     encoded = encode_chats(
-        tokenizer, rows, policy.turns, policy.chat_template_kwargs, policy.max_seq_len + 1
+        tokenizer,
+        rows,
+        policy.turns,
+        policy.chat_template_kwargs,
+        policy.max_seq_len + 1,
+        policy.special_tokens_in_content,
     )
     kept: list[tuple[np.ndarray, np.ndarray, str]] = []
     truncated, dropped = 0, dict.fromkeys(DROP_REASONS, 0)
     turns = dict.fromkeys(("learned", *SKIP_REASONS), 0)
-    samples = []
+    samples, held = [], 0
     for row, (chat_samples, plan) in zip(rows, encoded, strict=True):
+        held += plan.special_tokens_in_content
         turns["learned"] += plan.learned
         for _, reason in plan.skipped:
             turns[reason] += 1
@@ -108,6 +119,7 @@ def encode_chunk(
         truncated=truncated,
         dropped=dropped,
         turns=turns,
+        special_tokens_in_content=held,
     )
 
 
@@ -185,6 +197,10 @@ def tokenize_chunks(
         "conversations_read": 0,
         "turns": policy.turns,
         "assistant_turns": dict.fromkeys(("learned", *SKIP_REASONS), 0),
+        "special_tokens_in_content": {
+            "policy": policy.special_tokens_in_content,
+            "conversations": 0,
+        },
         "truncated": 0,
         "dropped": dict.fromkeys(DROP_REASONS, 0),
     }
@@ -192,6 +208,7 @@ def tokenize_chunks(
         writer.extend(chunk.tokens, chunk.mask, chunk.lengths, chunk.n_loss, chunk.ids)
         counts["conversations_read"] += chunk.read
         counts["truncated"] += chunk.truncated
+        counts["special_tokens_in_content"]["conversations"] += chunk.special_tokens_in_content
         for reason, n in chunk.dropped.items():
             counts["dropped"][reason] += n
         for reason, n in chunk.turns.items():
@@ -269,6 +286,7 @@ def run(config: Config) -> int:
         2 * config.drafter.block_size,
         data.turns,
         dict(data.chat_template_kwargs),
+        data.special_tokens_in_content,
     )
     try:
         with atomic_dir(paths.TOKENIZED) as out:
@@ -291,6 +309,7 @@ def run(config: Config) -> int:
     print(
         f"tokenize: {manifest['n_samples']} samples, {manifest['n_tokens']} tokens "
         f"({manifest['n_loss_tokens']} with loss), truncated {manifest['truncated']}, "
-        f"dropped {manifest['dropped']}, assistant turns {manifest['assistant_turns']}"
+        f"dropped {manifest['dropped']}, assistant turns {manifest['assistant_turns']}, "
+        f"special tokens in content {manifest['special_tokens_in_content']}"
     )
     return 0
