@@ -266,8 +266,9 @@ class EvaluateConfig(Section):
     max_new_tokens: Int = Field(48, ge=1)
     """Longest decoded answer."""
     near_tie_margin: Float = Field(0.05, ge=0.0)
-    """A divergence from greedy whose top-2 target logits are this close is a near-tie
-    (rounding, e.g. bf16 on GPU), counted apart from real lossless mismatches."""
+    """A divergence from greedy whose top-2 target logits (in fp32) are this close, plus the
+    target dtype's rounding at their size, is a near-tie (rounding, e.g. bf16 on GPU),
+    counted apart from real lossless mismatches."""
     seed: Int = Field(0, ge=0)
     """Seed of the prompt draw, the cut before an assistant turn and the bootstrap."""
     chat_template_kwargs: TemplateOptions | None = None

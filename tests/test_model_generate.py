@@ -165,3 +165,64 @@ def test_a_near_tie_is_told_apart_from_a_real_mismatch():
         "mismatch",
         "same",
     )
+
+
+def bf16_target(seed: int, top_logit: float = 25.0) -> Qwen3ForCausalLM:
+    """A bf16 tiny target whose head is scaled so its top logits are a real LLM's size (~25)."""
+    target = tiny_qwen3(hidden_size=64, intermediate_size=128, seed=seed).to(torch.bfloat16)
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=torch.tensor([PROMPTS[1]])).last_hidden_state
+        top = target.lm_head(hidden).float().max()
+        target.lm_head.weight.mul_(top_logit / float(top))
+    return target
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_a_bf16_target_shows_no_false_mismatches(seed):
+    """Speculative decoding is lossless in exact arithmetic: every bf16 divergence is rounding."""
+    target = bf16_target(seed)
+    drafter = new_drafter(target, seed=seed)
+    verdicts = []
+    for prompt in PROMPTS:
+        reference = greedy_generate(target, prompt, 32)
+        spec = dflash_generate(target, drafter, prompt, 32).tokens
+        verdicts.append(classify(target, prompt, reference, spec, near_tie=0.05)[0])
+    assert "mismatch" not in verdicts, verdicts
+
+
+def test_bf16_margins_are_finer_than_a_bf16_logit_step():
+    """Two head rows 0.01-0.05 apart in fp32 round to one bf16 logit, or to two a step apart."""
+    target = tiny_qwen3(hidden_size=64, intermediate_size=128).to(torch.bfloat16)
+    prompt = PROMPTS[1]
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1]
+    hidden = hidden.float()
+    k = int(hidden.abs().argmax())
+    favourite, twin = 10, 11
+    steps, margins = [], []
+    for i in range(12):
+        with torch.no_grad():
+            row = hidden / hidden.norm() * ((20 + 0.011 * i) / hidden.norm())
+            target.lm_head.weight[favourite] = row
+            nudged = target.lm_head.weight[favourite].clone()
+            nudged[k] -= (0.02 + 0.0015 * i) / hidden[k]
+            target.lm_head.weight[twin] = nudged
+            logits = target(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1]
+            exact = target.lm_head.weight[[favourite, twin]].float() @ hidden
+        reference = greedy_generate(target, prompt, 3)
+        assert reference[0] == favourite
+        verdict, margin = classify(target, prompt, reference, [twin] + reference[1:], 0.05)
+        assert verdict == "near_tie" and margin == pytest.approx(float(exact[0] - exact[1]))
+        steps.append(float(logits[favourite] - logits[twin]))
+        margins.append(margin)
+    assert all(0 < m < 0.05 for m in margins)
+    assert max(steps) == 0.125  # what the bf16 logits showed: a whole step, above 0.05
+
+
+def test_a_clear_bf16_mismatch_is_still_one():
+    target, prompt = bf16_target(0), PROMPTS[1]
+    reference = greedy_generate(target, prompt, 4)
+    logits = target(input_ids=torch.tensor([prompt]), logits_to_keep=1).logits[0, -1].float()
+    worst = int(logits.argmin())  # a bug's token, some 50 logits below greedy
+    verdict, margin = classify(target, prompt, reference, [worst] + reference[1:], 0.05)
+    assert verdict == "mismatch" and margin > 1.0

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter import DFlashDrafter, drafter_autocast
 from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
 
@@ -33,7 +33,10 @@ def sample_loss(
     documents = torch.zeros_like(ids)
     loss_mask = (positions >= start).long()
     features = target_features(target, ids, positions, documents, drafter.config.target_layer_ids)
-    out = dflash_objective(drafter, features, ids, loss_mask, documents, positions, anchors, gamma)
+    with drafter_autocast(ids.device):
+        out = dflash_objective(
+            drafter, features, ids, loss_mask, documents, positions, anchors, gamma
+        )
     return float(out.loss_sum), float(out.weight_sum)
 
 

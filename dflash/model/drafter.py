@@ -9,6 +9,7 @@ the public DFlash inference code (``config.json`` + ``model.safetensors``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -30,6 +31,13 @@ from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
 
 INIT_STD = 0.02
 """Normal init of every projection, as Qwen3's ``initializer_range``."""
+
+
+def drafter_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA, as the drafter trains there; nothing on CPU, where it runs fp32."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)

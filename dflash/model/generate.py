@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from dflash.model.drafter import ContextCache, DFlashDrafter
+from dflash.model.drafter import ContextCache, DFlashDrafter, drafter_autocast
 from dflash.model.features import select_features
 
 
@@ -91,11 +91,13 @@ class DrafterProposer:
         block = torch.full((1, c.block_size), c.mask_token_id, device=device)
         block[0, 0] = history[-1]
         positions = torch.arange(position, position + c.block_size, device=device)[None]
-        hidden = self.drafter(
-            block, positions, self.features, self.context_positions, cache=self.cache
-        )
+        with drafter_autocast(device):
+            hidden = self.drafter(
+                block, positions, self.features, self.context_positions, cache=self.cache
+            )
+            drafts = self.drafter.logits(hidden[:, 1:]).argmax(dim=-1)[0]
         self.features = self.context_positions = None  # in the cache now
-        return self.drafter.logits(hidden[:, 1:]).argmax(dim=-1)[0].tolist()
+        return drafts.tolist()
 
     def commit(self, hidden_states: tuple[Tensor, ...] | None, position: int, count: int) -> None:
         """Keep the committed tokens' features for the next draft (with any not drafted yet)."""
