@@ -122,3 +122,36 @@ def test_flex_attention_on_cpu_matches_the_dense_mask():
         out = attend(q, context, block, flex, scale=0.35)
         ref = attend(q, context, block, build_block_mask(anchors, docs, BS, T), scale=0.35)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_six_micro_batch_shapes_compile_at_most_twice(monkeypatch):
+    """Lengths are symbolic and padded to whole tiles, so the one recompile left is for one row
+    against several (torch specialises a size of 1). Forward only, traced by ``aot_eager``:
+    torch 2.13's CPU FlexAttention kernel neither builds with symbolic lengths nor has a
+    backward, and the guards that force recompiles are the tracer's."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    monkeypatch.setitem(attention.COMPILE_OPTIONS, "cpu", {"dynamic": True, "backend": "aot_eager"})
+    attention._compiled_flex_attention.cache_clear()
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    before = attention.flex_compiles()
+    try:
+        for rows, length, n_anchors in ((1, 40, 6), (2, 56, 9), (1, 96, 20), (3, 72, 11),
+                                        (2, 130, 33), (1, 200, 40)):  # fmt: skip
+            docs = (torch.arange(length) >= length // 2).long().repeat(rows, 1)
+            anchors = torch.randint(1, length - 1, (rows, n_anchors), generator=gen)
+            anchors = anchors.sort(dim=1).values
+            anchors[0, -1] = -1
+
+            q = torch.randn(rows, 4, n_anchors * BS, 8, generator=gen)
+            block = torch.randn(2, rows, 2, n_anchors * BS, 8, generator=gen).unbind()
+            context = torch.randn(2, rows, 2, length, 8, generator=gen).unbind()
+            with torch.no_grad():
+                mask = build_attention_mask(anchors, docs, BS, length, flex=True)
+                out = attend(q, context, block, mask, scale=0.35)
+                ref = attend(q, context, block, build_block_mask(anchors, docs, BS, length), 0.35)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        assert attention.flex_compiles() - before <= 2
+    finally:
+        attention._compiled_flex_attention.cache_clear()

@@ -27,6 +27,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental import _config as shape_config
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -40,6 +41,14 @@ context windows closer; this size trained fastest on the default)."""
 
 FLEX_TILE = 128
 """Query and key tile of the FlexAttention ``BlockMask`` (its kernels' default block)."""
+
+
+def whole_tiles(length: int) -> int:
+    """``length`` padded to whole FlexAttention tiles, two at least: queries and keys are passed
+    this long. A compiled kernel is specialised for a length of one tile, so one-tile lengths
+    would cost a second compile."""
+    return max(-(-length // FLEX_TILE), 2) * FLEX_TILE
+
 
 SPARSE_FAR = 1 << 62
 """A position past any row: the start of an anchor that sees nothing, for minima."""
@@ -94,15 +103,19 @@ def block_mask_mod(
     """The same rule as :func:`build_block_mask`, as a FlexAttention ``mask_mod``."""
     _check(anchors, document_ids, context_len)
     anchor_doc = document_ids.gather(1, anchors.clamp(min=0))
+    # lengths as tensors: a compiled kernel reads them as data, never as constants to guard on
+    last_block = torch.tensor(anchors.shape[1] - 1, device=anchors.device)
+    context = torch.tensor(context_len, device=anchors.device)
 
     def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
-        block = q // block_size
+        block = torch.minimum(q // block_size, last_block)  # a padded query: the last block's
         anchor = anchors[b, block]
-        j = kv.clamp(max=context_len - 1)
+        j = torch.minimum(kv, context - 1)
         doc = document_ids[b, j]
         sees_context = (kv < anchor) & (doc == anchor_doc[b, block]) & (doc >= 0)
-        sees_block = (kv - context_len) // block_size == block
-        return (anchor >= 0) & torch.where(kv < context_len, sees_context, sees_block)
+        sees_block = (kv - context) // block_size == block  # never a padded key
+        real = (q // block_size == block) & (anchor >= 0)
+        return real & torch.where(kv < context, sees_context, sees_block)
 
     return mask_mod
 
@@ -289,8 +302,8 @@ def flex_block_mask(
     """
     _check(anchors, document_ids, context_len)
     R, A = anchors.shape
-    q_len, kv_len = A * block_size, context_len + A * block_size
-    n_q, n_kv = -(-q_len // FLEX_TILE), -(-kv_len // FLEX_TILE)
+    q_len, kv_len = whole_tiles(A * block_size), whole_tiles(context_len + A * block_size)
+    n_q, n_kv = q_len // FLEX_TILE, kv_len // FLEX_TILE
     partial, full = _tiles(anchors, document_ids, block_size, context_len, n_q, n_kv)
     return BlockMask.from_kv_blocks(
         *_ordered(partial),
@@ -301,10 +314,47 @@ def flex_block_mask(
     )
 
 
+COMPILE_OPTIONS = {"cuda": {"dynamic": True}, "cpu": {"dynamic": False}}
+"""``torch.compile`` options of FlexAttention per device type. Dynamic lengths compile once for
+every micro-batch; on CPU, where it only serves checks, torch 2.13's kernel template does not
+build with symbolic lengths, so it compiles per shape there."""
+
+
 @cache
-def _compiled_flex_attention() -> Callable[..., Tensor]:
-    """Compiled once per process: eager FlexAttention is a slow reference implementation."""
-    return torch.compile(flex_attention)
+def _compiled_flex_attention(device_type: str) -> Callable[..., Tensor]:
+    """Compiled once per process: eager FlexAttention is a slow reference implementation, and
+    compiling per shape would recompile at every micro-batch until torch runs it eagerly."""
+    return torch.compile(flex_attention, **COMPILE_OPTIONS.get(device_type, {"dynamic": True}))
+
+
+def flex_compiles() -> int:
+    """Graphs ``torch.compile`` has built in this process; only FlexAttention is compiled
+    here, so a count that grows past 1-2 means it recompiles."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _padded(x: Tensor, length: int) -> Tensor:
+    """``x [B, H, L, d]`` zero-padded to ``length`` positions (whole tiles; masked out)."""
+    return F.pad(x, (0, 0, 0, length - x.shape[2])) if length > x.shape[2] else x
+
+
+def flex_attend(q: Tensor, k: Tensor, v: Tensor, mask: BlockMask, scale: float) -> Tensor:
+    """Compiled FlexAttention with queries, keys and values padded to the mask's whole tiles,
+    so lengths come in steps of ``FLEX_TILE``; the padding is sliced off."""
+    q_len, kv_len = mask.seq_lengths
+    # equal lengths (say rows = kv heads = 2) would share one symbol: a guard that they stay equal
+    with shape_config.patch(use_duck_shape=False):
+        out = _compiled_flex_attention(q.device.type)(
+            _padded(q, q_len),
+            _padded(k, kv_len),
+            _padded(v, kv_len),
+            block_mask=mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+    return out[:, :, : q.shape[2]]
 
 
 def _window(x: Tensor, positions: Tensor) -> Tensor:
@@ -506,7 +556,7 @@ def attend(
     v = torch.cat([context_kv[1], block_kv[1]], dim=2)
     gqa = q.shape[1] != k.shape[1]
     if BlockMask is not None and isinstance(mask, BlockMask):
-        return _compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+        return flex_attend(q, k, v, mask, scale)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     return dense_attention(q, k, v, mask, scale)

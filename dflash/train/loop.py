@@ -26,7 +26,7 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
-from dflash.model.attention import flex_available
+from dflash.model.attention import flex_available, flex_compiles
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
@@ -320,6 +320,7 @@ class Trainer:
             "epochs": self.config.train.epochs,
             "world_size": self.ctx.world_size,
             "train_seconds": s.elapsed_s,
+            "flex_compiles": flex_compiles(),
         }
 
 
