@@ -15,6 +15,7 @@ own magnitude between a cached 1-token pass and a block pass, more than any fixe
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 ROUNDING_STEPS = 2.0
@@ -37,14 +38,17 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def fp32_logits(target: nn.Module, ids: list[int], tokens: list[int]) -> torch.Tensor:
     """``[len(tokens)]`` next-token logits after ``ids``, from the last hidden state in fp32.
 
-    Only the head's rows of ``tokens`` are upcast, so a 150K-token bf16 head is never copied.
+    An fp32 head computes them as the target does; of a lower-precision head only the rows of
+    ``tokens`` are upcast, so a 150K-token bf16 head is never copied whole.
     """
-    hidden = target.get_decoder()(input_ids=torch.tensor([ids], device=target.device))
-    hidden = hidden.last_hidden_state[0, -1].float()
+    ids_t = torch.tensor([ids], device=target.device)
+    hidden = target.get_decoder()(input_ids=ids_t).last_hidden_state[:, -1:].float()
     head = target.get_output_embeddings()
     rows = torch.tensor(tokens, device=hidden.device)
-    logits = head.weight[rows].float() @ hidden
-    return logits if head.bias is None else logits + head.bias[rows].float()
+    if head.weight.dtype == torch.float32:
+        return head(hidden)[0, -1, rows]
+    bias = None if head.bias is None else head.bias[rows].float()
+    return F.linear(hidden, head.weight[rows].float(), bias)[0, -1]
 
 
 def rounding_slack(target: nn.Module, logits: torch.Tensor) -> float:
