@@ -307,9 +307,11 @@ def step_checks(smoke: bool) -> list[Check]:
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if flex
                 else contextlib.nullcontext())  # fmt: skip
     layer_ids = drafter.config.target_layer_ids
+    from dflash.model.attention import flex_compiles
+
     if flex:
         torch.cuda.reset_peak_memory_stats()
-    reads, began, flops = 0, time.perf_counter(), 0.0
+    reads, began, flops, compiled = 0, time.perf_counter(), 0.0, flex_compiles()
     for mb in batches:
         mb = mb.to(device)
         with HostReads() as counted:
@@ -320,6 +322,8 @@ def step_checks(smoke: bool) -> list[Check]:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     checks = [Check("step_host_reads_per_micro_batch", reads, "<= 2", reads <= 2)]
+    compiles = flex_compiles() - compiled
+    checks.append(Check("step_flex_compiles", compiles, "<= 2 over 12 shapes", compiles <= 2))
     if not flex:
         return checks
     peak = torch.cuda.max_memory_allocated() / 2**30
