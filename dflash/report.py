@@ -264,19 +264,15 @@ MIN_PROMPTS = 20
 """Fewer scored prompts leave τ's interval too wide to tell two runs apart."""
 
 
-def advice(regen: dict | str, ev: dict | str, config: Config | None) -> list[str]:
-    """One sentence per figure that makes this run's result untrustworthy, with what to change.
-
-    ``config`` only adds the current value of a param to change; the figures come from disk.
-    """
+def advice(regen: dict | str, ev: dict | str) -> list[str]:
+    """One sentence per figure that makes this run's result untrustworthy, with what to change."""
     out = []
     regen = regen if isinstance(regen, dict) and not regen.get("skipped") else {}
     capped = share(regen.get("unterminated_responses"), regen.get("turns_regenerated"))
     if capped is not None and capped > 0.5:
-        now = f" (now {config.regenerate.max_new_tokens})" if config else ""
         out.append(
             f"{capped:.0%} of regenerated answers hit the length cap: the drafter learns cut-off "
-            f"answers. Raise regenerate.max_new_tokens{now} and rerun from regenerate."
+            "answers. Raise regenerate.max_new_tokens and rerun from regenerate."
         )
     ev = ev if isinstance(ev, dict) else {}
     tau = ev.get("acceptance_length")
@@ -287,15 +283,14 @@ def advice(regen: dict | str, ev: dict | str, config: Config | None) -> list[str
         out.append(
             f"The drafter's tau {tau:.2f} (95% CI from {num(low, '.2f')}) is not above n-gram's "
             f"{ngram:.2f}: it has learned nothing copying the prompt would not give. Train on "
-            "more conversations (data.max_conversations) or longer (train.epochs), and fix "
-            "capped answers first."
+            "more conversations (data.max_conversations) or longer (train.epochs)"
+            + (", after the cap above." if out else ".")
         )
     n = ev.get("n_prompts")
     if is_number(n) and n < MIN_PROMPTS:
-        now = f" (now {config.evaluate.num_prompts})" if config else ""
         out.append(
             f"Only {n} prompts were scored: tau and speedups are too noisy to compare runs. "
-            f"Raise evaluate.num_prompts{now} to {MIN_PROMPTS} or more, and data.eval_fraction "
+            f"Raise evaluate.num_prompts to {MIN_PROMPTS} or more, and data.eval_fraction "
             "if the held-out split is smaller."
         )
     noise = timing_noise(ev)
@@ -334,9 +329,8 @@ def section(label: str, stage: str, data: dict | str, lines: Any) -> list[str]:
     return [f"  {label:<11}{out[0][13:]}", *out[1:]]
 
 
-def render_report(root: Path, config: Config | None = None) -> str:
-    """The report for the pipeline outputs under ``root`` (the directory ``dvc repro`` ran in);
-    ``config`` names the current value of a param a warning asks to change."""
+def render_report(root: Path) -> str:
+    """The report for the pipeline outputs under ``root`` (the directory ``dvc repro`` ran in)."""
     plan = read(root, paths.PLAN_METRICS, PLAN_SUMMARY)
     summary = read(root, PLAN_SUMMARY)
     meta = summary.get("meta") if isinstance(summary, dict) else None
@@ -368,7 +362,7 @@ def render_report(root: Path, config: Config | None = None) -> str:
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
     if isinstance(ev, dict) and "strata" in ev:
         lines += ["", *section("scorecard", "evaluate", ev, scorecard)]
-    warnings = advice(regen, ev, config)
+    warnings = advice(regen, ev)
     lines += ["", "  warnings", *warnings] if warnings else []
     return "\n".join(lines) + "\n"
 
@@ -376,9 +370,9 @@ def render_report(root: Path, config: Config | None = None) -> str:
 def run(config: Config) -> int:
     """Print the report for the working directory; exit 1 when decoding was not lossless.
 
-    Every figure is read back from disk; the config only names current values in warnings.
+    The config is unused: every figure is read back from disk.
     """
-    print(render_report(Path.cwd(), config), end="")
+    print(render_report(Path.cwd()), end="")
     evaluation = read(Path.cwd(), paths.EVAL_METRICS)
     mismatches = evaluation.get("lossless_mismatches", 0) if isinstance(evaluation, dict) else 0
     return 1 if mismatches else 0

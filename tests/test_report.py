@@ -262,16 +262,6 @@ def test_each_warning_has_its_own_trigger(tmp_path):
         assert len([p for p in cases if p in said and p != "not above"]) == 1, said
 
 
-def test_warnings_name_the_current_value_from_the_config(tmp_path):
-    from dflash.params import load_config
-
-    write(tmp_path, BAD_RUN)
-    config = load_config(Path(__file__).parents[1] / "params.yaml")
-    said = " ".join(warnings_of(render_report(tmp_path, config)).split())
-    assert "regenerate.max_new_tokens (now 48)" in said
-    assert "evaluate.num_prompts (now 64)" in said
-
-
 def test_report_starts_without_torch():
     code = "import sys, dflash.report; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
