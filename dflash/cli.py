@@ -17,6 +17,29 @@ from dflash.errors import ConfigError, OutputError, UserError
 from dflash.fileio import exit_on_sigterm
 from dflash.params import load_config
 
+SUMMARY = "Train a DFlash draft model for a target LLM: a command per pipeline stage, and report."
+EPILOG = """\
+`dvc repro` runs every stage in order, each only when its inputs changed;
+`dflash COMMAND` runs one now. Beside them:
+  python -m dflash.publish DIR   copy the evaluated drafter with its scorecard to DIR
+  dvc exp run -S KEY=VALUE       an experiment with one param changed (see README.md)
+"""
+HELP = {
+    "ingest": "read data.source, drop invalid and duplicate conversations, split off held-out",
+    "tokenizer": "train a byte-level BPE or adopt tokenizer.path, with the drafter's mask token",
+    "target": "pretrain the tiny default target, or check and reference target.path",
+    "regenerate": "replace every assistant turn with the target's own answer to train on",
+    "tokenize": "render the chats with the template into a token store with loss masks",
+    "stats": "sample length statistics and the bucket boundaries each method would choose",
+    "plan": "plan every epoch's micro-batches with batching.strategy and score their padding",
+    "train": "train the drafter on the target's hidden states over the planned batches "
+    "(torchrun, train.world_size ranks), then export it with its model card to models/drafter",
+    "evaluate": "decode prompts greedily and with the drafter: tau, speedups against n-gram "
+    "and an untrained drafter, and a check that the output is the target's own",
+    "report": "print one screen of every stage's figures, with warnings that say what to change",
+}
+"""What each command does, for ``--help``."""
+
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -46,16 +69,22 @@ def run_stage(stage: str, config: Config) -> int:
 
 def stage_main(stage: str, argv: list[str] | None = None) -> int:
     """Entry point of ``stages/<stage>.py``."""
-    parser = argparse.ArgumentParser(prog=sys.argv[0], description=f"dflash {stage}")
+    parser = argparse.ArgumentParser(prog=sys.argv[0], description=HELP.get(stage, stage))
     add_config_args(parser)
     return _run(stage, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dflash", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    parser = argparse.ArgumentParser(
+        prog="dflash",
+        description=SUMMARY,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="stage", required=True, metavar="COMMAND")
     for name in stages():
-        add_config_args(sub.add_parser(name, help=f"run the {name} stage"))
+        summary = HELP.get(name, f"run the {name} stage")
+        add_config_args(sub.add_parser(name, help=summary, description=summary))
     return _run(None, parser.parse_args(argv))
 
 

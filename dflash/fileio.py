@@ -9,6 +9,10 @@ becomes an :class:`OutputError`: one line naming the output and the errno, the o
 as it was. An output directory that is a symbolic link is followed: the directory it points to
 is swapped whole beside itself and the link stays. A link where a file output goes is replaced
 by the new file, never written through (it may point into DVC's read-only cache).
+
+Every output gets the mode the process's umask gives a plain ``open`` (``0644`` under ``022``),
+whatever the writer chose: ``safetensors`` creates its files ``0600``, which would leave weights
+no other user can read.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         with machine_faults(path):
             path.parent.mkdir(parents=True, exist_ok=True)
             yield tmp
+            honour_umask(tmp)
             os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -87,9 +92,37 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
                 if (path / name).is_file():
                     shutil.copy2(path / name, tmp / name)
             yield tmp
+            honour_umask(tmp)
             _swap(tmp, path, old)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def umask() -> int:
+    """The process's umask, read without setting it where Linux shows it (setting it, even
+    back, races with another thread creating a file)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def honour_umask(path: Path) -> None:
+    """Give ``path``, and all under it when it is a directory, the mode the umask gives a new
+    file or directory; executable files stay executable. Links are left alone."""
+    if not path.exists() or path.is_symlink():
+        return
+    mask = umask()
+    for entry in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        if entry.is_symlink():
+            continue
+        full = 0o777 if entry.is_dir() or entry.stat().st_mode & 0o111 else 0o666
+        entry.chmod(full & ~mask)
 
 
 def _swap(new: Path, path: Path, old: Path) -> None:

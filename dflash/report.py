@@ -8,6 +8,7 @@ whatever exists and never raises: a stage without output says how to run it.
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,23 @@ def num(value: Any, spec: str = ",") -> str:
     return format(value, spec)
 
 
+WIDTH = 80
+"""Every line fits a plain terminal."""
+CELL = 21
+"""Name and right-aligned value of one figure: three per row after the 13-column label."""
+
+
 def row(label: str, *cells: tuple[str, str]) -> str:
-    return (f"  {label:<11}" + "  ".join(f"{k:<15}{v:>10}" for k, v in cells)).rstrip()
+    shown = (f"{k} {v:>{CELL - 1 - len(k)}}" for k, v in cells)
+    return (f"  {label:<11}" + "  ".join(shown)).rstrip()
+
+
+def wrap(text: str, indent: int) -> list[str]:
+    """``text`` in lines of at most ``WIDTH``, continuations indented two more."""
+    pad = " " * indent
+    return textwrap.wrap(
+        text, WIDTH, initial_indent=pad, subsequent_indent=pad + "  ", break_on_hyphens=False
+    )
 
 
 def reasons(counts: Any) -> str:
@@ -119,8 +135,8 @@ EVALUATION: list[list[Cell]] = [
     [("tau z-lab", "acceptance_length_zlab", ".2f")],
     [("n-gram tau", "ngram_tau", ".2f"), ("untrained tau", "untrained_tau", ".2f"),
      ("x n-gram tau", "vs_ngram", ".2f")],
-    [("speedup x", "speedup", ".2f"), ("n-gram speedup", "ngram_speedup", ".2f"),
-     ("wall speedup x", "speedup_wall", ".2f")],
+    [("speedup x", "speedup_shown", "s"), ("n-gram speedup", "ngram_speedup_shown", "s"),
+     ("wall speedup x", "speedup_wall_shown", "s")],
     [("mismatches", "lossless_mismatches", ","), ("near-ties", "near_tie_divergences", ","),
      ("prompts", "n_prompts", ",")],
     [("loss short", "loss_short", ".3f"), ("loss medium", "loss_medium", ".3f"),
@@ -141,7 +157,7 @@ def grid(d: dict, rows: list[list[Cell]]) -> list[str]:
 
 def because(what: str, counts: Any) -> list[str]:
     why = reasons(counts)
-    return [f"{'':13}{what}: {why}"] if why else []
+    return wrap(f"{what}: {why}", 13) if why else []
 
 
 def as_dict(value: Any) -> dict:
@@ -155,9 +171,12 @@ def ingest(d: dict) -> list[str]:
     return grid(flat, INGEST) + because("skipped", d.get("skipped"))
 
 
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def share(part: Any, whole: Any) -> float | None:
-    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (part, whole))
-    return part / whole if numbers and whole else None
+    return part / whole if is_number(part) and is_number(whole) and whole else None
 
 
 def looping_turns(root: Path) -> int | None:
@@ -203,13 +222,84 @@ def evaluation(d: dict) -> list[str]:
         "vs_ngram": share(d.get("acceptance_length"), ngram.get("acceptance_length")),
         **{f"loss_{k}": v for k, v in by_length.items()},
     }
+    noise = timing_noise(d)
+    for key in ("speedup", "ngram_speedup", "speedup_wall"):
+        shown = num(flat.get(key), ".2f")
+        flat[f"{key}_shown"] = shown + ("?" if noise and shown != "n/a" else "")
     out = grid(flat, EVALUATION)
+    if noise:
+        out += wrap(f"? unreliable: {noise}", 13)
     per = d.get("per_position_acceptance")
     per = [p for p in per if isinstance(p, int | float)] if isinstance(per, list) else []
-    if per:
-        out.append(f"{'':13}{'accepted % k=1..':<17}" + " ".join(f"{100 * p:.0f}" for p in per))
+    out += by_position(per) if per else []
     flag = mismatch_flag(d)
-    return out + ([f"  {flag}"] if flag else [])
+    return out + (wrap(flag, 2) if flag else [])
+
+
+POSITIONS = 15
+"""Draft positions per pair of lines: 15 (block size 16) fit in 80 columns."""
+
+
+def by_position(per: list[float]) -> list[str]:
+    """Acceptance per draft position as aligned rows of position and percent."""
+    out = [f"{'':13}accepted at draft position k, % of full-block steps:"]
+    for start in range(0, len(per), POSITIONS):
+        chunk = per[start : start + POSITIONS]
+        ks = range(start + 1, start + len(chunk) + 1)
+        out.append(f"{'':13}{'k':<4}" + "".join(f"{k:>4}" for k in ks))
+        out.append(f"{'':13}{'%':<4}" + "".join(f"{100 * p:>4.0f}" for p in chunk))
+    return out
+
+
+def timing_noise(ev: dict) -> str | None:
+    """Why the speedups are noise: an untrained drafter accepts almost nothing, so any speedup
+    it shows above 1x comes from the timer, and the other speedups share that timer."""
+    untrained = as_dict(as_dict(ev.get("baselines")).get("untrained")).get("speedup")
+    if not is_number(untrained) or untrained <= 1:
+        return None
+    return f"timing noise (the untrained drafter reads {untrained:.2f}x)"
+
+
+MIN_PROMPTS = 20
+"""Fewer scored prompts leave τ's interval too wide to tell two runs apart."""
+
+
+def advice(regen: dict | str, ev: dict | str) -> list[str]:
+    """One sentence per figure that makes this run's result untrustworthy, with what to change."""
+    out = []
+    regen = regen if isinstance(regen, dict) and not regen.get("skipped") else {}
+    capped = share(regen.get("unterminated_responses"), regen.get("turns_regenerated"))
+    if capped is not None and capped > 0.5:
+        out.append(
+            f"{capped:.0%} of regenerated answers hit the length cap: the drafter learns cut-off "
+            "answers. Raise regenerate.max_new_tokens and rerun from regenerate."
+        )
+    ev = ev if isinstance(ev, dict) else {}
+    tau = ev.get("acceptance_length")
+    ngram = as_dict(as_dict(ev.get("baselines")).get("ngram")).get("acceptance_length")
+    ci = ev.get("acceptance_length_ci95")
+    low = ci[0] if isinstance(ci, list) and len(ci) == 2 and is_number(ci[0]) else tau
+    if is_number(tau) and is_number(ngram) and min(tau, low) <= ngram:
+        out.append(
+            f"The drafter's tau {tau:.2f} (95% CI from {num(low, '.2f')}) is not above n-gram's "
+            f"{ngram:.2f}: it has learned nothing copying the prompt would not give. Train on "
+            "more conversations (data.max_conversations) or longer (train.epochs)"
+            + (", after the cap above." if out else ".")
+        )
+    n = ev.get("n_prompts")
+    if is_number(n) and n < MIN_PROMPTS:
+        out.append(
+            f"Only {n} prompts were scored: tau and speedups are too noisy to compare runs. "
+            f"Raise evaluate.num_prompts to {MIN_PROMPTS} or more, and data.eval_fraction "
+            "if the held-out split is smaller."
+        )
+    noise = timing_noise(ev)
+    if noise:
+        out.append(
+            f"Speedups are unreliable: {noise}. Compare tau instead, or time on an idle machine "
+            "or a GPU."
+        )
+    return [line for text in out for line in wrap(f"! {text}", 2)]
 
 
 def scorecard(d: dict) -> list[str]:
@@ -250,7 +340,7 @@ def render_report(root: Path) -> str:
     ev = read(root, paths.EVAL_DETAILS, paths.EVAL_METRICS)
     flags = [mismatch_flag(ev) if isinstance(ev, dict) else None, stale_drafter(root)]
     flags = [flag if flag.startswith("!!!") else f"!!! {flag} !!!" for flag in flags if flag]
-    lines = ["dflash report", *flags, ""]
+    lines = ["dflash report", *[line for flag in flags for line in wrap(flag, 0)], ""]
     lines += section("ingest", "ingest", read(root, paths.INGEST_REPORT), ingest)
     regen = read(root, paths.REGENERATE_REPORT)
     lines += section("regenerate", "regenerate", regen, lambda d: regenerate(d, root))
@@ -272,6 +362,8 @@ def render_report(root: Path) -> str:
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
     if isinstance(ev, dict) and "strata" in ev:
         lines += ["", *section("scorecard", "evaluate", ev, scorecard)]
+    warnings = advice(regen, ev)
+    lines += ["", "  warnings", *warnings] if warnings else []
     return "\n".join(lines) + "\n"
 
 

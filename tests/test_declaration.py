@@ -184,3 +184,17 @@ def test_every_from_pretrained_stays_local():
     for path in [*ROOT.glob("dflash/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("bench/*.py")]:
         for match in calls.finditer(path.read_text()):
             assert "local_files_only=True" in match.group(0), f"{path}: {match.group(0)}"
+
+
+def test_help_says_what_every_command_does_and_names_publish(capsys):
+    from dflash import cli
+
+    assert sorted(cli.HELP) == sorted(stages())
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "python -m dflash.publish DIR" in text and "report stage" not in text
+    assert all(" ".join(cli.HELP[name].split()) in text for name in cli.HELP)
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert "export it with its model card" in " ".join(capsys.readouterr().out.split())

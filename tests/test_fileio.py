@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 
@@ -62,3 +63,28 @@ def test_atomic_dir_replaces_whole_or_keeps_old(tmp_path):
         (tmp / "b.txt").write_text("new")
     assert sorted(p.name for p in out.iterdir()) == ["a.txt", "b.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_outputs_get_the_mode_the_umask_gives(tmp_path, mask):
+    old = os.umask(mask)
+    try:
+        with atomic_path(tmp_path / "one.bin") as tmp:
+            tmp.write_bytes(b"w")
+            tmp.chmod(0o600)  # as safetensors creates its files
+        with atomic_dir(tmp_path / "dir") as tmp:
+            (tmp / "sub").mkdir()
+            (tmp / "sub" / "weights").write_bytes(b"w")
+            (tmp / "sub" / "weights").chmod(0o600)
+            (tmp / "run.sh").write_text("#!/bin/sh\n")
+            (tmp / "run.sh").chmod(0o700)
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in tmp_path.rglob("*")}
+    assert modes == {
+        "one.bin": 0o666 & ~mask,
+        "dir": 0o777 & ~mask,
+        "dir/sub": 0o777 & ~mask,
+        "dir/sub/weights": 0o666 & ~mask,
+        "dir/run.sh": 0o777 & ~mask,
+    }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from conftest import tiny_qwen3
 from safetensors import safe_open
 from transformers import AutoModel, Qwen3Config
 
+from dflash.data.tokenizer import train_tokenizer
 from dflash.model.card import model_card
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter, export_dtype, loader_notes
@@ -151,12 +154,47 @@ def test_model_card_says_how_to_serve_and_what_trained_it(target):
     training = {"final_loss": 0.77, "steps": 462, "train_seconds": 61.5, "tokens_per_s": 9e3}
     card = model_card(config, "Qwen/Qwen3-8B", params, training)
     assert "train_seconds" not in card and "tokens_per_s" not in card  # same run, same card
-    spec = '{"method": "dflash", "model": "models/drafter", "num_speculative_tokens": 3}'
-    assert f"vllm serve Qwen/Qwen3-8B \\\n  --speculative-config '{spec}'" in card
-    for flag in ("--speculative-algorithm DFLASH", "--speculative-draft-model-path models/drafter",
+    spec = '{"method": "dflash", "model": ".", "num_speculative_tokens": 3}'
+    assert "TARGET=Qwen/Qwen3-8B  #" in card and 'TARGET = "Qwen/Qwen3-8B"  #' in card
+    assert f"vllm serve \"$TARGET\" \\\n  --speculative-config '{spec}'" in card
+    for flag in ("--speculative-algorithm DFLASH", "--speculative-draft-model-path .",
                  "--speculative-num-draft-tokens 4", "trust_remote_code=True"):  # fmt: skip
         assert flag in card
     assert "lr: 0.003" in card and "| final_loss | 0.77 |" in card and "bfloat16" in card
     scored = model_card(config, "t", params, {}, {"acceptance_length": 4.1027, "baselines": {
         "ngram": {"acceptance_length": 1.2568}}})  # fmt: skip
     assert "| 4.103 |" in scored and "| τ of n-gram prompt lookup | 1.257 |" in scored
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_the_cards_snippet_runs_from_a_fresh_export(tmp_path, hub_modules, monkeypatch, umask_022):
+    texts = ["the cat sat on the mat", "a dog ran to the big red log"] * 20
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    target = tiny_qwen3(vocab_size=len(tokenizer))
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter = DFlashDrafter.from_target(
+        target, block_size=4, num_hidden_layers=1, num_target_features=3,
+        mask_token_id=tokenizer.mask_token_id,
+    )  # fmt: skip
+    config = drafter.config.to_dict(target.config, torch.float32)
+    params = {"data": {"source": "my/chats.jsonl"}, "drafter": {"block_size": 4}}
+    card = model_card(config, "models/target", params, {"final_loss": 1.0})
+    assert "`my/chats.jsonl` (`data.source`)" in card and "source: my/chats.jsonl" in card
+    out = tmp_path / "published"
+    export_drafter(drafter, out, target.config, card=card)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
+        name: 0o644 for name in ("config.json", "model.safetensors", "dflash.py", "README.md")
+    }
+    snippet = re.search(r"Transformers.*?```python\n(.*?)```", card, re.S).group(1)
+    top = 'TARGET = "models/target"  #'
+    assert top in snippet
+    snippet = snippet.replace('"models/target"', repr(str(tmp_path / "target")), 1)
+    monkeypatch.chdir(out)
+    exec(compile(snippet, "card", "exec"), {})

@@ -1,9 +1,14 @@
 """Training reports its stability and streams its curves to DVCLive (rank 0 only)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from conftest import run_stages
+
+from dflash.train.monitor import wandb_quiet
 
 
 @pytest.mark.slow
@@ -17,3 +22,31 @@ def test_train_writes_stability_and_dvclive(tiny_workspace):
     assert live["train"]["loss"] > 0  # the last logged row
     curve = (tiny_workspace / "dvclive/train/plots/metrics/train/loss.tsv").read_text()
     assert len(curve.splitlines()) - 1 == metrics["steps"]  # logging.every = 1 in the fixture
+
+
+def test_wandb_stays_quiet_unless_its_environment_asks():
+    assert wandb_quiet({}) == {"quiet": True}
+    assert wandb_quiet({"WANDB_QUIET": "false"}) == {} == wandb_quiet({"WANDB_SILENT": "true"})
+
+
+WANDB_RUN = """
+import os, wandb
+from dflash.train.monitor import wandb_quiet
+run = wandb.init(project="p", mode="offline", dir=os.getcwd(),
+                 settings=wandb.Settings(**wandb_quiet(os.environ)))
+run.log({"loss": 1.0}, step=1)
+run.summary.update({"final_loss": 1.0})
+run.finish()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("env, shown", [({}, False), ({"WANDB_QUIET": "false"}, True)])
+def test_an_offline_run_prints_no_summary_unless_asked(tmp_path, env, shown):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    out = subprocess.run(
+        [sys.executable, "-c", WANDB_RUN], cwd=tmp_path, env={**environ, **env},
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert ("Run summary" in text) == shown and ("final_loss" in text) == shown

@@ -112,3 +112,14 @@ def test_leftover_scratch_beside_the_output_is_not_emptied(workspace, capsys):
     (workspace.parent / "published.old").mkdir()
     (workspace.parent / "published.old" / "notes.txt").write_text("mine")
     refused(capsys, str(workspace.parent / "published"), "notes.txt", workspace)
+
+
+def test_the_published_copy_honours_the_umask(workspace):
+    (workspace / paths.DRAFTER / paths.DRAFTER_WEIGHTS).chmod(0o600)  # as safetensors writes it
+    old = os.umask(0o022)
+    try:
+        assert publish.main([str(workspace.parent / "published"), "--root", str(workspace)]) == 0
+    finally:
+        os.umask(old)
+    files = (workspace.parent / "published").iterdir()
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == dict.fromkeys(EXPORT, 0o644)

@@ -131,6 +131,8 @@ def test_single_process_run_writes_metrics_plots_and_drafter(tiny_workspace):
     assert config["dtype"] == "float32"  # export.dtype auto: the tiny target's config says fp32
     card = (tiny_workspace / "models/drafter/README.md").read_text()
     assert '"num_speculative_tokens": 3' in card and "final_loss" in card
+    source = load_config(tiny_workspace / "params.yaml").data.source
+    assert f"`{source}` (`data.source`)" in card and f"source: {source}" in card
     assert (tiny_workspace / "models/drafter/dflash.py").is_file()
 
 

@@ -12,11 +12,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash.eval.strata import TERCILES, tercile_groups
 from dflash.model.drafter import DFlashDrafter, drafter_autocast
 from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
-
-TERCILES = ("short", "medium", "long")
 
 
 @torch.no_grad()
@@ -38,12 +37,6 @@ def sample_loss(
             drafter, features, ids, loss_mask, documents, positions, anchors, gamma
         )
     return float(out.loss_sum), float(out.weight_sum)
-
-
-def tercile_groups(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each length's tercile (0, 1, 2 for ``TERCILES``) and the two edges between them."""
-    edges = np.quantile(lengths, [1 / 3, 2 / 3])
-    return np.searchsorted(edges, lengths, side="right"), edges
 
 
 def loss_by_tercile(lengths: list[int], sums: list[tuple[float, float]]) -> dict:

@@ -9,17 +9,27 @@ two strata can be told from noise. A stratum with no prompt is listed with ``n_p
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from dflash.config import HELDOUT_SET
-from dflash.eval.length_loss import TERCILES, tercile_groups
 from dflash.eval.metrics import acceptance_by_position, bootstrap_interval, response_tau
-from dflash.eval.prompts import Prompt
-from dflash.model.generate import GenerateOutput
 
+if TYPE_CHECKING:  # torch stays out: the report and publish read the scorecard without a model
+    from dflash.eval.prompts import Prompt
+    from dflash.model.generate import GenerateOutput
+
+TERCILES = ("short", "medium", "long")
 KINDS = ("mode", "tools", "length")
 GROUPS = ("with", "without", *TERCILES)
 """The order rows are shown in (``metrics/eval.json`` keeps its keys sorted); modes go as given."""
+
+
+def tercile_groups(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each length's tercile (0, 1, 2 for ``TERCILES``) and the two edges between them."""
+    edges = np.quantile(lengths, [1 / 3, 2 / 3])
+    return np.searchsorted(edges, lengths, side="right"), edges
 
 
 def stratum(

@@ -2,7 +2,8 @@
 
 An export is copied away from the pipeline that made it; the card travels with it, so whoever
 holds the directory can serve it with vLLM or SGLang, rerun its training params, and compare
-its figures with their own.
+its figures with their own. Its commands run as written from the directory that holds it: the
+drafter is ``.``, and the target, which is not copied, is one variable at the top of each.
 """
 
 from __future__ import annotations
@@ -55,23 +56,32 @@ def _value(value: Any) -> str:
     return str(value)
 
 
+TARGET_NOTE = "the target: its hub name, or its directory (models/target of the training run)"
+"""Said beside the one variable of each command that a user may have to change."""
+
+
 def _serving(target: str, directory: str, block_size: int) -> str:
     spec = json.dumps(
         {"method": "dflash", "model": directory, "num_speculative_tokens": block_size - 1}
     )
     return f"""## Serve
 
+Run these from this directory; set `TARGET` first when the target is not at that path. They
+read local files only: download the target first, or drop `local_files_only=True`.
+
 vLLM:
 
 ```bash
-vllm serve {target} \\
+TARGET={target}  # {TARGET_NOTE}
+vllm serve "$TARGET" \\
   --speculative-config '{spec}'
 ```
 
 SGLang:
 
 ```bash
-python -m sglang.launch_server --model-path {target} \\
+TARGET={target}  # {TARGET_NOTE}
+python -m sglang.launch_server --model-path "$TARGET" \\
   --speculative-algorithm DFLASH \\
   --speculative-draft-model-path {directory} \\
   --speculative-num-draft-tokens {block_size} \\
@@ -81,14 +91,25 @@ python -m sglang.launch_server --model-path {target} \\
 Transformers (the modelling code is `{paths.DRAFTER_CODE}` in this directory):
 
 ```python
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+TARGET = {json.dumps(target)}  # {TARGET_NOTE}
+DRAFTER = {json.dumps(directory)}  # this directory
+
+tokenizer = AutoTokenizer.from_pretrained(TARGET, local_files_only=True)
+target = AutoModelForCausalLM.from_pretrained(TARGET, dtype="auto", local_files_only=True).eval()
 draft = AutoModel.from_pretrained(
-    "{directory}", trust_remote_code=True, dtype="auto", local_files_only=True
+    DRAFTER, trust_remote_code=True, dtype="auto", local_files_only=True
 ).eval()
-target = AutoModelForCausalLM.from_pretrained("{target}", dtype="auto", local_files_only=True)
+
+messages = [{{"role": "user", "content": "Name three uses of a hash map."}}]
+input_ids = tokenizer.apply_chat_template(
+    messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+)["input_ids"].to(target.device)
+eos_token_id = tokenizer.eos_token_id
 output = draft.spec_generate(target=target, input_ids=input_ids, max_new_tokens=256,
                              stop_token_ids=[eos_token_id], temperature=0.0)
+print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True))
 ```
 """
 
@@ -144,20 +165,23 @@ def model_card(
     params: dict[str, Any],
     training: dict[str, Any],
     scorecard: dict[str, Any] | None = None,
-    directory: str = str(paths.DRAFTER),
+    directory: str = ".",
 ) -> str:
     """The ``README.md`` of a drafter export, from its ``config.json`` dict and the run's params.
 
     ``training`` holds the training summary's figures; ``scorecard`` evaluate's metrics when
     they describe this very export (they are written after it, so training passes none).
+    ``directory`` is the drafter as the commands name it: the card's own directory.
     """
     bs, dflash = config["block_size"], config["dflash_config"]
     mask = dflash.get("mask_token", "?")
+    source = params.get("data", {}).get("source", "?")
     return f"""# DFlash drafter for `{target}`
 
 A DFlash block-diffusion draft model trained by the dflash pipeline against `{target}`: in one
 forward pass it drafts {bs - 1} tokens from the features of target layers
 {dflash["target_layer_ids"]}, and the target verifies them, so the output is the target's own.
+Trained on the conversations of `{source}` (`data.source`).
 {config["num_hidden_layers"]} layers, hidden size {config["hidden_size"]}, weights in
 {config["dtype"]}, mask token `{mask}` (id {dflash["mask_token_id"]}). The target's embedding
 and LM head are borrowed, not stored here.

@@ -1,5 +1,9 @@
 """What a run shows while it trains: DVCLive, wandb (offline by default) and DVC plot files.
 
+wandb runs quiet: its history and summary (about 40 lines at the end of a run) stay out of
+the terminal, since ``dflash report`` and ``dvc exp show`` hold the figures; ``WANDB_QUIET=false``
+brings them back, and ``WANDB_SILENT`` is obeyed as wandb reads it.
+
 Only rank 0 owns a monitor. Every row, and the per-step loss and grad norm the stability
 figures come from, is also kept in the checkpoint, so a resumed run ends with the same
 complete curves and counts as one that was never interrupted.
@@ -10,6 +14,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +66,7 @@ class Monitor:
                 mode=config.logging.wandb,
                 config=declared_params(config),
                 dir=os.environ.get("WANDB_DIR", "."),
+                settings=wandb.Settings(**wandb_quiet(os.environ)),
             )
 
     def step(self, result: dict[str, Any]) -> None:
@@ -103,6 +109,16 @@ class Monitor:
         if self.run is not None:
             self.run.summary.update(summary)
             self.run.finish()
+
+
+WANDB_OUTPUT_ENV = ("WANDB_QUIET", "WANDB_SILENT")
+"""wandb's own variables for how much it prints: a user who sets one gets what it says."""
+
+
+def wandb_quiet(environ: Mapping[str, str]) -> dict[str, bool]:
+    """wandb settings that keep its end-of-run summary off the terminal, unless the
+    environment already says how much wandb should print."""
+    return {} if any(name in environ for name in WANDB_OUTPUT_ENV) else {"quiet": True}
 
 
 def rows_to_csv(rows: list[dict[str, Any]]) -> str:
