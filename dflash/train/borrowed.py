@@ -16,10 +16,10 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from dflash import paths
 from dflash.model.load import load_target, resolve_target_path
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX, SINGLE = paths.HF_WEIGHTS_INDEX, paths.HF_WEIGHTS
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
