@@ -166,23 +166,33 @@ def step_bytes(*args, **kwargs) -> float:
 
 
 def role_components(
-    d: Dims, b: Batch, act_bytes: int, weight_bytes: int, role: str, shards: int = 1
+    d: Dims,
+    b: Batch,
+    act_bytes: int,
+    weight_bytes: int,
+    role: str,
+    shards: int = 1,
+    device: str = "cpu",
 ) -> dict[str, float]:
     """Bytes per component on one rank of a decoupled run (``train.topology: decoupled``).
 
     A target rank holds the target (``shards``: target ranks it would be sharded over), the
     features it computes and one target layer's transient; a drafter rank holds the borrowed
-    embedding and head, the drafter's state, the received features and the drafter's step.
+    embedding and head whole, the drafter's state (``shards``: drafter ranks under FSDP), the
+    received features and the drafter's step, whose transients hold no target layer.
     """
-    whole = components(d, b, act_bytes, weight_bytes)
-    features = whole["target features"]
+    named = transients(d, b, act_bytes, device)
     if role == "target":
         return {
             "target weights": target_params(d) * weight_bytes / shards,
-            "target features": features,
-            "target layer": b.tokens * (3 * d.intermediate + 4 * d.hidden) * act_bytes,
+            "target features": b.tokens * (d.features + 2) * d.hidden * act_bytes,
+            "target layer": named["target layer"],
         }
-    drafter = {k: v for k, v in whole.items() if k != "target weights"}
+    drafter = components(d, b, act_bytes, weight_bytes, shards=shards, device=device)
+    del drafter["target weights"]
+    drafter["largest transient"] = max(v for k, v in named.items() if k != "target layer")
+    if shards > 1:  # the borrowed parts stay whole: FSDP gathers only drafter layers
+        drafter["gathered units (FSDP)"] -= embed_head_params(d) * weight_bytes
     return {"borrowed embedding and head": embed_head_params(d) * weight_bytes, **drafter}
 
 
