@@ -208,3 +208,21 @@ def test_a_dead_rank_ends_the_job_naming_its_rank_and_role(planned, role):
     assert named, out[-3000:]
     assert "ranks 0-0 train the drafter, ranks 1-2 run the target" in out
     assert not (decoupled / paths.DRAFTER).exists()
+
+
+def test_the_balancing_split_and_the_memory_per_role(monkeypatch):
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    from gpu_memory import BF16, QWEN3_8B
+    from memory_model import Batch, components, role_components
+    from topology import best_split
+
+    assert best_split(8, 1.0, 7.0)[0] == 1 and best_split(8, 1.0, 1.0)[0] == 4
+    assert best_split(8, 3.0, 1.0)[0] == 6
+    batch = Batch(rows=2, row_len=4096, anchors=1024)
+    whole = components(QWEN3_8B, batch, BF16, BF16)
+    target = role_components(QWEN3_8B, batch, BF16, BF16, "target")
+    drafter = role_components(QWEN3_8B, batch, BF16, BF16, "drafter")
+    assert target["target weights"] == whole["target weights"]
+    assert "target weights" not in drafter
+    assert sum(drafter.values()) < sum(whole.values()) - whole["target weights"] / 2
