@@ -4,7 +4,9 @@
 Qwen3-8B recipe at its ``token_budget``, then for Qwen3-8B, Qwen3-32B and Llama-3.1-70B under
 ``train.parallelism`` ddp and fsdp (8 GPUs) the memory per GPU and the largest
 ``token_budget`` that fits 80 GB and 96 GB, with and without recomputing the drafter layers
-in backward (a lever this project does not implement yet: the columns say what it would buy).
+in backward (``train.recompute``), and the decoupled rows (``train.topology: decoupled``): a
+target rank holding the bf16 target whole or sharded over the target ranks, and a drafter
+rank free of the target but for the borrowed embedding and head.
 The formulas are those of ``bench/memory_model.py``, which ``bench/step_memory.py`` checks
 against measured CPU peaks.
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from memory_model import Batch, Dims, components, transients
+from memory_model import Batch, Dims, components, role_components, transients
 
 QWEN3_8B = Dims(
     vocab=151936,
@@ -124,6 +126,37 @@ def modes_table(args: argparse.Namespace) -> None:
             print(f"| {name} | {mode} | {gb:,.1f} | {cells} |")
 
 
+def role_gb(token_budget: int, args, dims: Dims, role: str, shards: int = 1) -> float:
+    batch = batch_of(token_budget, args.row_len, args.anchors)
+    parts = role_components(dims, batch, BF16, BF16, role, shards, device="cuda")
+    return sum(parts.values()) / GB + RESERVED_GB
+
+
+def decoupled_table(args: argparse.Namespace) -> None:
+    """Per role of a decoupled run: GB per GPU at the budget, largest budget that fits."""
+    print(
+        f"\n| target | decoupled role | GB per GPU at {args.token_budget:,} | "
+        "largest token_budget, 80 GB | 96 GB |"
+    )
+    print("|---|---|---|---|---|")
+    for name, dims in TARGETS.items():
+        roles = [
+            ("target rank, whole", "target", 1),
+            ("target rank, sharded over 2 (not built)", "target", 2),
+            ("drafter rank, ddp", "drafter", 1),
+            (f"drafter rank, fsdp over {GPUS - 2}", "drafter", GPUS - 2),
+        ]
+        for label, role, shards in roles:
+            gb = role_gb(args.token_budget, args, dims, role, shards)
+            fits = []
+            for capacity in (80, 96):
+                rows = 0
+                while role_gb((rows + 1) * args.row_len, args, dims, role, shards) <= capacity:
+                    rows += 1
+                fits.append(f"{rows * args.row_len:,}" if rows else "does not fit")
+            print(f"| {name} | {label} | {gb:,.1f} | {' | '.join(fits)} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--token-budget", type=int, default=8192)
@@ -132,6 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     recipe_table(args)
     modes_table(args)
+    decoupled_table(args)
 
 
 if __name__ == "__main__":

@@ -163,3 +163,56 @@ def components(
 
 def step_bytes(*args, **kwargs) -> float:
     return sum(components(*args, **kwargs).values())
+
+
+def role_components(
+    d: Dims,
+    b: Batch,
+    act_bytes: int,
+    weight_bytes: int,
+    role: str,
+    shards: int = 1,
+    device: str = "cpu",
+) -> dict[str, float]:
+    """Bytes per component on one rank of a decoupled run (``train.topology: decoupled``).
+
+    A target rank holds the target (``shards``: target ranks it would be sharded over), the
+    features it computes and one target layer's transient; a drafter rank holds the borrowed
+    embedding and head whole, the drafter's state (``shards``: drafter ranks under FSDP), the
+    received features and the drafter's step, whose transients hold no target layer.
+    """
+    named = transients(d, b, act_bytes, device)
+    if role == "target":
+        return {
+            "target weights": target_params(d) * weight_bytes / shards,
+            "target features": b.tokens * (d.features + 2) * d.hidden * act_bytes,
+            "target layer": named["target layer"],
+        }
+    drafter = components(d, b, act_bytes, weight_bytes, shards=shards, device=device)
+    del drafter["target weights"]
+    drafter["largest transient"] = max(v for k, v in named.items() if k != "target layer")
+    if shards > 1:  # the borrowed parts stay whole: FSDP gathers only drafter layers
+        drafter["gathered units (FSDP)"] -= embed_head_params(d) * weight_bytes
+    return {"borrowed embedding and head": embed_head_params(d) * weight_bytes, **drafter}
+
+
+def target_flops_per_token(d: Dims, row_len: int) -> float:
+    """Forward FLOPs per token of the target up to its deepest fused layer (no LM head);
+    causal attention sees half the row on average."""
+    depth = d.target_layers - 2  # the features stop at the third-to-last layer
+    attention = 4 * (row_len / 2) * d.heads * d.head_dim
+    return depth * (2 * layer_params(d) + attention)
+
+
+def drafter_flops_per_token(d: Dims, b: Batch) -> float:
+    """Forward and backward FLOPs per token of the drafter's step: each block slot runs the
+    fusion and the layers (x3 with backward) and the frozen LM head (x2: no weight gradient);
+    each context token runs its key/value projections; slots attend to the context."""
+    slots = b.anchors * d.block_size / b.row_len
+    kv = d.kv_heads * d.head_dim
+    per_slot = 2 * drafter_params(d) - 2 * d.features * d.hidden**2  # layers
+    fuse = 2 * d.features * d.hidden**2  # every context token is fused once
+    context = d.drafter_layers * 2 * 2 * d.hidden * kv
+    attention = d.drafter_layers * 4 * (b.row_len / 2 + d.block_size) * d.heads * d.head_dim
+    head = 2 * d.hidden * d.vocab
+    return 3 * (slots * (per_slot + attention) + fuse + context) + 2 * slots * head

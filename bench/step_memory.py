@@ -7,7 +7,9 @@ forward, loss, backward, AdamW step) and prints one JSON line. Peak RSS is the w
 high-water mark, so run one shape per process: ``--table`` does that for a grid of sequence
 lengths and anchor counts and prints a Markdown table. ``--parallelism {ddp,fsdp}
 --world-size 2`` runs the step on 2 gloo ranks instead and adds what each rank holds
-(``bench/sharded_step.py``).
+(``bench/sharded_step.py``). ``--topology decoupled`` runs a target rank's part (the target
+and its features) and a drafter rank's part (the borrowed embedding and head, the drafter's
+step on received features) in a process each and prints the memory of each role.
 
 What carries over to a GPU is the growth, not the seconds: a shape whose step does not fit in
 CPU memory holds the same tensors on a GPU.
@@ -24,7 +26,7 @@ import time
 
 import numpy as np
 import torch
-from memory_model import MIB, Batch, Dims, step_bytes
+from memory_model import MIB, Batch, Dims, role_components, step_bytes
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.model.anchors import sample_anchors
@@ -76,10 +78,24 @@ def dims_of(args: argparse.Namespace) -> Dims:
     )
 
 
+def borrowed_target(config: Qwen3Config) -> Qwen3ForCausalLM:
+    """What a decoupled drafter rank holds of the target: embedding and head, the rest meta."""
+    with torch.device("meta"):
+        target = Qwen3ForCausalLM(config)
+    embed = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    target.set_input_embeddings(embed)
+    target.set_output_embeddings(head)
+    return target.eval().requires_grad_(False)
+
+
 def build_models(args: argparse.Namespace) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
     torch.manual_seed(0)
     config = target_config(args)
-    target = Qwen3ForCausalLM(config).eval().requires_grad_(False)
+    if args.role == "drafter":
+        target = borrowed_target(config)
+    else:
+        target = Qwen3ForCausalLM(config).eval().requires_grad_(False)
     features = feature_count(args)
     drafter = DFlashDrafter.from_target(
         target,
@@ -120,6 +136,9 @@ def limit_memory(gib: float | None) -> None:
 def predicted_mib(args: argparse.Namespace) -> float:
     """The memory model's figure for this step in fp32, on top of the bare process."""
     batch = Batch(rows=args.rows, row_len=args.seq_len, anchors=args.anchors)
+    if args.role != "both":
+        parts = role_components(dims_of(args), batch, 4, 4, args.role)
+        return sum(parts.values()) / MIB
     return step_bytes(dims_of(args), batch, act_bytes=4, weight_bytes=4) / MIB
 
 
@@ -131,7 +150,13 @@ def one_step(args: argparse.Namespace) -> dict:
     layers = drafter.config.target_layer_ids
     rss_models = peak_rss_mib()
     start = time.perf_counter()
-    features = target_features(target, ids, positions, documents, layers)
+    if args.role == "drafter":  # as received from a target rank
+        width = len(layers) * args.hidden
+        features = torch.randn(args.rows, args.seq_len, width)
+    else:
+        features = target_features(target, ids, positions, documents, layers)
+    if args.role == "target":
+        return role_result(args, bare, rss_models, time.perf_counter() - start)
     out = dflash_objective(drafter, features, ids, loss_mask, documents, positions, anchors, GAMMA)
     (out.loss_sum / out.weight_sum).backward()
     optimizer.step()
@@ -151,6 +176,36 @@ def one_step(args: argparse.Namespace) -> dict:
         "block_size": args.block_size,
         "loss": round(float(out.loss_sum.detach() / out.weight_sum), 4),
     }
+
+
+def role_result(args: argparse.Namespace, bare: float, rss_models: float, seconds: float):
+    return {
+        "role": args.role,
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "models_rss_mib": round(rss_models, 1),
+        "predicted_peak_rss_mib": round(bare + predicted_mib(args), 1),
+        "step_s": round(seconds, 3),
+        "tokens": args.rows * args.seq_len,
+    }
+
+
+def per_role(args: argparse.Namespace) -> None:
+    """A target rank's and a drafter rank's part of the step, each in its own process."""
+    flags = [*sys.argv[1:], "--topology=colocated"]  # the last one counts
+    print("| role | peak RSS (MiB) | model (MiB) | models alone (MiB) | step (s) |")
+    print("|---|---|---|---|---|")
+    for role in ("target", "drafter"):
+        run = subprocess.run(
+            [sys.executable, __file__, *flags, f"--role={role}", "--json"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        print(
+            f"| {role} | {r['peak_rss_mib']:,.0f} | {r['predicted_peak_rss_mib']:,.0f} | "
+            f"{r['models_rss_mib']:,.0f} | {r['step_s']:.2f} |"
+        )
 
 
 def table(args: argparse.Namespace) -> None:
@@ -199,11 +254,16 @@ def main() -> None:
     parser.add_argument("--max-gib", type=float, default=None, help="address-space cap")
     parser.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--world-size", type=int, default=1, help="gloo ranks")
+    parser.add_argument("--topology", choices=["colocated", "decoupled"], default="colocated")
+    parser.add_argument("--role", choices=["both", "target", "drafter"], default="both")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of text")
     parser.add_argument("--table", action="store_true", help="seq-len x anchors grid, Markdown")
     args = parser.parse_args()
     if args.table:
         table(args)
+        return
+    if args.topology == "decoupled":
+        per_role(args)
         return
     limit_memory(args.max_gib)
     if args.world_size > 1:

@@ -215,6 +215,14 @@ class TrainConfig(Section):
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every rank holds the whole target and drafter; fsdp: both sharded per layer
     (``dflash.train.parallel``), for targets larger than one device."""
+    topology: Literal["colocated", "decoupled"] = "colocated"
+    """colocated: every rank runs the target and trains the drafter; decoupled: ``target_ranks``
+    more ranks run only the target and send its features to the ``world_size`` drafter ranks
+    (``dflash.train.topology``). The same plan, the same losses up to float order."""
+    target_ranks: Int = Field(1, ge=1)
+    """Ranks that run the frozen target when decoupled; the job has world_size + target_ranks."""
+    feature_prefetch: Int = Field(2, ge=1)
+    """Micro-batches of features in flight per drafter rank when decoupled."""
 
     @field_validator("betas")
     @classmethod

@@ -66,6 +66,10 @@ PLAN_SUMMARY = "summary.json"
 PLAN_METRICS = Path("metrics/plan.json")
 """The flat overall figures of ``data/plans/summary.json``, for ``dvc exp show``."""
 
+HF_WEIGHTS = "model.safetensors"
+HF_WEIGHTS_INDEX = "model.safetensors.index.json"
+"""A Hugging Face model directory's weights: one file, or an index of shards."""
+
 DRAFTER = Path("models/drafter")
 DRAFTER_CONFIG = "config.json"
 DRAFTER_WEIGHTS = "model.safetensors"

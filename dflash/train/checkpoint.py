@@ -78,32 +78,39 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None) -> None:
     if _distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _broadcast(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (itself without a process group)."""
+def _broadcast(value: Any, group: dist.ProcessGroup | None) -> Any:
+    """Rank 0's ``value`` on every rank of ``group`` (itself without a process group)."""
     if not _distributed():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
 def save_checkpoint(
-    directory: Path, step: int, parts: Mapping[str, Any], fingerprint: str, keep: int
+    directory: Path,
+    step: int,
+    parts: Mapping[str, Any],
+    fingerprint: str,
+    keep: int,
+    group: dist.ProcessGroup | None = None,
 ) -> Path:
-    """Write ``parts`` as checkpoint ``step`` whole or not at all (collective: all ranks call)."""
+    """Write ``parts`` as checkpoint ``step`` whole or not at all (collective: the ranks of
+    ``group``, all of them when None, call it; global rank 0 is among them and writes)."""
     path = checkpoint_path(directory, step)
     tmp = path.with_name(path.name + ".tmp")
     main = not _distributed() or dist.get_rank() == 0
     if main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()  # the directory exists before any rank writes into it
-    dcp.save(dict(parts), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    _barrier(group)  # the directory exists before any rank writes into it
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    dcp.save(dict(parts), storage_writer=writer, process_group=group)
     if main:
         info = json.dumps({"fingerprint": fingerprint, "step": step})
         write_text_atomic(tmp / paths.CHECKPOINT_RUN, info, fsync=True)
@@ -115,7 +122,7 @@ def save_checkpoint(
         _fsync(directory)
         for old in list_checkpoints(directory)[keep:]:
             remove_checkpoint(old)
-    _barrier()
+    _barrier(group)
     return path
 
 
@@ -147,17 +154,21 @@ def _candidates(directory: Path, fingerprint: str) -> tuple[list[Path], list[str
 
 
 def load_latest(
-    directory: Path, fingerprint: str, parts: Mapping[str, Any]
+    directory: Path,
+    fingerprint: str,
+    parts: Mapping[str, Any],
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[int | None, list[str]]:
     """Load the newest intact checkpoint of this run into ``parts`` (collective).
 
     Returns its step, or None, and why each newer one was passed over. Rank 0 checks the
     digests and fingerprints (one read of the files, not one per rank) and tells the others.
     """
-    usable, skipped = _broadcast(_candidates(directory, fingerprint))
+    usable, skipped = _broadcast(_candidates(directory, fingerprint), group)
     for path in usable:
+        reader, planner = SafeReader(path), SafeLoadPlanner()
         try:
-            dcp.load(dict(parts), storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+            dcp.load(dict(parts), storage_reader=reader, planner=planner, process_group=group)
         except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - skipped, and said so
             skipped.append(f"{path.name}: unreadable ({type(err).__name__}: {err})"[:500])
             continue
@@ -185,7 +196,7 @@ def run_fingerprint(config: Config) -> str:
 
 def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str) -> int | None:
     """Load the newest intact checkpoint of this run into ``parts`` (its step), or start fresh."""
-    step, skipped = load_latest(paths.CHECKPOINTS, fingerprint, parts)
+    step, skipped = load_latest(paths.CHECKPOINTS, fingerprint, parts, ctx.group)
     if ctx.is_main:
         for reason in skipped:
             print(f"[train] skipping checkpoint {reason}")

@@ -22,6 +22,8 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    group: dist.ProcessGroup | None = None
+    """The ranks this one trains with; None = all of them (``dflash.train.topology``)."""
 
     @property
     def is_main(self) -> bool:
@@ -64,10 +66,10 @@ def all_reduce_sum(ctx: Dist, values: torch.Tensor) -> torch.Tensor:
     ``ctx.device``: the caller reads it back when it needs the values, not at every sum."""
     values = values.to(ctx.device)
     if ctx.enabled:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=ctx.group)
     return values
 
 
 def barrier(ctx: Dist) -> None:
     if ctx.enabled:
-        dist.barrier()
+        dist.barrier(group=ctx.group)

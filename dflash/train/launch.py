@@ -2,9 +2,10 @@
 
 The launching process takes the workspace's training lock, checks the plans and the world
 size once, and only then starts ``torchrun`` with the resolved params handed over in a
-temporary file, so ``--set`` overrides reach every rank. ``torchrun`` inherits the lock and
-dies with the launcher; each rank dies with ``torchrun``. Run under ``torchrun`` directly,
-rank 0 takes the lock itself.
+temporary file, so ``--set`` overrides reach every rank. The job has ``train.world_size``
+ranks, plus ``train.target_ranks`` when ``train.topology`` is decoupled
+(``dflash.train.topology``). ``torchrun`` inherits the lock and dies with the launcher; each
+rank dies with ``torchrun``. Run under ``torchrun`` directly, rank 0 takes the lock itself.
 
 The lock comes before torch and transformers are imported (seconds): a second run on a busy
 workspace is refused at once.
@@ -50,9 +51,10 @@ def _rank(config: Config) -> int:
 def _launch(config: Config) -> int:
     with workspace_lock() as lock:
         from dflash.train.preflight import preflight
+        from dflash.train.topology import processes
 
         preflight(config)
-        if config.train.world_size == 1:
+        if processes(config.train) == 1:
             from dflash.train.loop import train
 
             train(config)
@@ -61,6 +63,8 @@ def _launch(config: Config) -> int:
 
 
 def _torchrun(config: Config, lock: int) -> int:
+    from dflash.train.topology import Layout, processes
+
     plain = whole(config).model_dump(mode="json")
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(plain, f)
@@ -70,7 +74,7 @@ def _torchrun(config: Config, lock: int) -> int:
         "-m",
         "torch.distributed.run",
         "--standalone",
-        f"--nproc_per_node={config.train.world_size}",
+        f"--nproc_per_node={processes(config.train)}",
         "-m",
         "dflash.cli",
         "train",
@@ -79,6 +83,11 @@ def _torchrun(config: Config, lock: int) -> int:
     ]
     env = {**os.environ, HELD_BY_LAUNCHER: "1"}
     try:
-        return subprocess.call(cmd, env=env, pass_fds=(lock,), preexec_fn=parent_death_signal())
+        code = subprocess.call(cmd, env=env, pass_fds=(lock,), preexec_fn=parent_death_signal())
     finally:
         params.unlink(missing_ok=True)
+    t = config.train
+    if code != 0 and t.topology == "decoupled":
+        roles = Layout(t.world_size, t.target_ranks).roles()
+        print(f"dflash train: a rank failed (torchrun names it above); {roles}", file=sys.stderr)
+    return code

@@ -32,9 +32,11 @@ from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
-from dflash.train import checkpoint
+from dflash.train import checkpoint, topology
 from dflash.train.batches import MicroBatch, StepDataset, make_loader
+from dflash.train.borrowed import load_borrowed
 from dflash.train.distributed import Dist, barrier, init_distributed, shutdown
+from dflash.train.feature_server import receive_row, serve
 from dflash.train.monitor import Monitor
 from dflash.train.parallel import (
     borrowed_unsharded,
@@ -49,6 +51,7 @@ from dflash.train.plan_check import check_epoch_file, check_plan
 from dflash.train.simulated import SimulatedTau
 from dflash.train.state import TrainState
 from dflash.train.step import forward_backward
+from dflash.train.topology import Placement, feature_source
 
 
 class TrainingError(RuntimeError):
@@ -56,17 +59,23 @@ class TrainingError(RuntimeError):
 
 
 def train(config: Config) -> None:
-    ctx = init_distributed()
+    world = init_distributed()
     try:
-        Trainer(config, ctx).fit()
+        placement = topology.place(config.train, world)
+        with topology.naming_role(placement.layout, world.rank):
+            if placement.serves_target:
+                serve(config, world, placement.layout)
+            else:
+                Trainer(config, placement.ctx, placement).fit()
     finally:
-        shutdown(ctx)
+        shutdown(world)
 
 
 class Trainer:
-    def __init__(self, config: Config, ctx: Dist) -> None:
+    def __init__(self, config: Config, ctx: Dist, placement: Placement | None = None) -> None:
         self.config = config
         self.ctx = ctx
+        self.placement = placement or Placement(ctx, None)
         torch.manual_seed(config.train.seed)
         self.store = TokenStore(paths.TOKENIZED)
         self.plan_meta = read_plan_meta(paths.PLANS)
@@ -90,6 +99,9 @@ class Trainer:
         self.drafter.recompute = config.train.recompute
         self.layer_ids = self.drafter.config.target_layer_ids
         t = config.train
+        self.features = feature_source(
+            self.placement, self.target, self.layer_ids, t.feature_prefetch
+        )
         self.model = wrap_drafter(self.drafter, ctx, t.parallelism)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -109,14 +121,7 @@ class Trainer:
             if ctx.device.type == "cuda"
             else contextlib.nullcontext()
         )
-        self.simulated = SimulatedTau.build(
-            self.target,
-            tokenizer,
-            self.drafter,
-            config.data.max_seq_len,
-            self.autocast,
-            dict(config.data.chat_template_kwargs),
-        )
+        self.simulated = self._simulated(tokenizer)
         self.fingerprint = checkpoint.run_fingerprint(config)
         self.state = TrainState()
         self.parts = {
@@ -136,13 +141,27 @@ class Trainer:
         """The frozen target, whole on this rank's device or sharded over the ranks.
 
         Sharded, it is read into host memory and moved to the device a layer at a time as it
-        is sharded, so no device ever holds it whole.
+        is sharded, so no device ever holds it whole. A decoupled drafter rank holds only the
+        parts the drafter borrows.
         """
+        if self.placement.layout is not None:
+            return load_borrowed(paths.TARGET, self.ctx.device, target_device_dtype()[1])
         if not sharded(self.ctx, self.config.train.parallelism):
             return load_target(paths.TARGET, device=self.ctx.device)
         target = load_target(paths.TARGET, device="cpu", dtype=target_device_dtype()[1])
         shard_target(target, mesh(self.ctx))
         return target
+
+    def _simulated(self, tokenizer) -> SimulatedTau | None:
+        """The held-out batch for τ; a decoupled drafter rank gets its target part sent."""
+        layout, c = self.placement.layout, self.config
+        if layout is not None:
+            row = receive_row(layout, self.features.width, self.features.dtype, self.ctx.device)
+            return SimulatedTau.from_row(row, self.drafter, self.autocast)
+        options = dict(c.data.chat_template_kwargs)
+        return SimulatedTau.build(
+            self.target, tokenizer, self.drafter, c.data.max_seq_len, self.autocast, options
+        )
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> None:
@@ -159,12 +178,14 @@ class Trainer:
         monitor = (
             Monitor(self.config, paths.TRAIN_PLOTS, s.rows, s.history) if self.ctx.is_main else None
         )
+        self.features.start(s.epoch, s.step_in_epoch)
         while s.epoch < t.epochs:
             self._run_epoch(s.epoch, monitor)
             s.epoch += 1
             s.step_in_epoch = 0
+        balance = self.features.finish()
         self._save()
-        summary = self._summary()
+        summary = self._summary() | balance
         weights = full_model_state(self.drafter)
         if self.ctx.is_main:
             summary |= monitor.stability()
@@ -178,6 +199,7 @@ class Trainer:
     def _run_epoch(self, epoch: int, monitor: Monitor | None) -> None:
         c = self.config
         dataset = self._epoch_dataset(epoch)
+        self.features.epoch(dataset.steps, dataset.first_step)
         loader = make_loader(
             dataset, c.train.num_workers, c.train.prefetch, self.ctx.device.type == "cuda"
         )
@@ -222,9 +244,10 @@ class Trainer:
             return {"simulated_tau": self.simulated.measure(self.drafter)}
 
     def _save(self) -> None:
-        keep = self.config.train.keep_checkpoints
-        step = self.state.global_step
-        checkpoint.save_checkpoint(paths.CHECKPOINTS, step, self.parts, self.fingerprint, keep)
+        keep, step = self.config.train.keep_checkpoints, self.state.global_step
+        checkpoint.save_checkpoint(
+            paths.CHECKPOINTS, step, self.parts, self.fingerprint, keep, self.ctx.group
+        )
 
     def _epoch_dataset(self, epoch: int) -> StepDataset:
         """This rank's steps of the epoch's plan, from the step a resumed run stopped at."""
@@ -273,6 +296,7 @@ class Trainer:
             micro_batches,
             c.drafter.gamma,
             self.autocast,
+            self.features,
         )
         grad_norm = clip_grad_norm(self.params, c.train.clip_grad)
         lr = self.scheduler.get_last_lr()[0]

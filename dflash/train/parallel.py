@@ -47,6 +47,8 @@ def sharded(ctx: Dist, parallelism: str) -> bool:
 
 
 def mesh(ctx: Dist) -> DeviceMesh:
+    if ctx.group is not None:
+        return DeviceMesh.from_group(ctx.group, ctx.device.type)
     return init_device_mesh(ctx.device.type, (ctx.world_size,))
 
 
@@ -88,7 +90,8 @@ def wrap_drafter(drafter: nn.Module, ctx: Dist, parallelism: str) -> nn.Module:
         return drafter
     if not ctx.enabled:
         return drafter
-    return DrafterDDP(drafter, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+    devices = [ctx.device] if ctx.device.type == "cuda" else None
+    return DrafterDDP(drafter, device_ids=devices, process_group=ctx.group)
 
 
 def no_sync(model: nn.Module) -> contextlib.AbstractContextManager:

@@ -19,6 +19,7 @@ from dflash.errors import ConfigError
 from dflash.model.layer_ids import check_layer_selection, target_depth
 from dflash.model.load import resolve_target_path
 from dflash.train.plan_check import check_plan
+from dflash.train.topology import processes
 
 
 def preflight(config: Config) -> None:
@@ -29,16 +30,20 @@ def preflight(config: Config) -> None:
     check_plan(
         read_plan_meta(paths.PLANS), TokenStore(paths.TOKENIZED), config, config.train.world_size
     )
-    check_capacity(config.train.world_size)
+    t = config.train
+    if t.topology == "decoupled":
+        check_capacity(processes(t), "train.world_size + train.target_ranks")
+    else:
+        check_capacity(t.world_size)
 
 
-def check_capacity(world_size: int) -> None:
+def check_capacity(world_size: int, what: str = "train.world_size") -> None:
     """One rank per visible GPU; on CPU, more ranks than cores only share them (a warning)."""
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if world_size > gpus:
             raise ConfigError(
-                f"train.world_size = {world_size} but {gpus} GPU(s) are visible: each rank needs "
+                f"{what} = {world_size} but {gpus} GPU(s) are visible: each rank needs "
                 "its own; lower train.world_size (then rerun `dflash plan`) or expose more GPUs"
             )
         return

@@ -62,6 +62,24 @@ def pack(prompts: list[list[int]], answers: list[list[int]], device) -> dict[str
     return {k: torch.tensor([v], device=device) for k, v in row.items()}
 
 
+def capture(
+    target: nn.Module, tokenizer, layer_ids: list[int], max_seq_len: int, autocast, options: dict
+) -> dict[str, Tensor] | None:
+    """The target's part of the batch: the packed row and its features (None without
+    held-out prompts). A decoupled target rank makes it and sends it to the drafter ranks."""
+    prompts = heldout_prompts(paths.HELDOUT, tokenizer, max_seq_len - NEW_TOKENS, options)
+    if not prompts:
+        return None
+    device = target.get_input_embeddings().weight.device
+    stops = stop_token_ids(tokenizer)
+    answers = [greedy_generate(target, p, NEW_TOKENS, stops) for p in prompts]
+    row = pack(prompts, answers, device)
+    ids, docs, pos = row["input_ids"], row["document_ids"], row["position_ids"]
+    with torch.no_grad(), autocast:
+        row["features"] = target_features(target, ids, pos, docs, layer_ids)
+    return row
+
+
 @dataclass
 class SimulatedTau:
     """The fixed batch, ready for the drafter: blocks, their mask, labels and target features."""
@@ -85,23 +103,24 @@ class SimulatedTau:
         cls, target: nn.Module, tokenizer, drafter, max_seq_len: int, autocast, options: dict
     ):
         """The batch from ``paths.HELDOUT``; None when it holds no prompt to continue."""
-        prompts = heldout_prompts(paths.HELDOUT, tokenizer, max_seq_len - NEW_TOKENS, options)
-        if not prompts:
+        layer_ids = drafter.config.target_layer_ids
+        row = capture(target, tokenizer, layer_ids, max_seq_len, autocast, options)
+        return cls.from_row(row, drafter, autocast)
+
+    @classmethod
+    def from_row(cls, row: dict[str, Tensor] | None, drafter, autocast):
+        """The batch from a :func:`capture` row, made on this rank or sent by a target rank."""
+        if row is None:
             return None
-        device, c = target.get_input_embeddings().weight.device, drafter.config
-        stops = stop_token_ids(tokenizer)
-        answers = [greedy_generate(target, p, NEW_TOKENS, stops) for p in prompts]
-        row = pack(prompts, answers, device)
         ids, docs, pos = row["input_ids"], row["document_ids"], row["position_ids"]
+        device, c = ids.device, drafter.config
         following = torch.cat([docs[:, 1:] == docs[:, :-1], docs.new_zeros(1, 1).bool()], dim=1)
         anchors = torch.nonzero((row["loss_mask"] == 1) & following)[:, 1][None]
         slot = torch.arange(c.block_size, device=device)
         block_ids = torch.where(slot == 0, ids[0, anchors[0]][:, None], c.mask_token_id)
         labels, counts = block_labels(ids, row["loss_mask"], docs, anchors, c.block_size)
-        with torch.no_grad(), autocast:
-            features = target_features(target, ids, pos, docs, c.target_layer_ids)
         return cls(
-            features=features,
+            features=row["features"],
             context_positions=pos,
             document_ids=docs,
             anchors=anchors[0],

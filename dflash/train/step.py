@@ -9,6 +9,7 @@ averaged over ranks (DDP all-reduce or FSDP reduce-scatter) on the last one only
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -82,17 +83,20 @@ def _global_sizes(ctx: Dist, micro_batches: list[MicroBatch]) -> torch.Tensor:
 
 def forward_backward(
     ctx: Dist,
-    target: nn.Module,
+    target: nn.Module | None,
     model: nn.Module,
-    layer_ids: list[int],
+    layer_ids: list[int] | None,
     micro_batches: list[MicroBatch],
     gamma: float,
     autocast: contextlib.AbstractContextManager,
+    features_of: Callable[[MicroBatch], torch.Tensor] | None = None,
 ) -> StepTotals:
     """Accumulate the step's gradients in ``model`` and return its totals over all ranks.
 
     The totals stay on the device until the last micro-batch's backward is queued: one read
-    back a step, none a micro-batch (``tests/test_train_syncs.py``).
+    back a step, none a micro-batch (``tests/test_train_syncs.py``). ``features_of``, when
+    given, replaces ``target``: the features a decoupled run's target ranks send
+    (:mod:`dflash.train.topology`).
     """
     sizes = _global_sizes(ctx, micro_batches)
     # Gradients are averaged over ranks: scaled, the sum is Σ w·CE / Σ_global w.
@@ -105,8 +109,12 @@ def forward_backward(
         mb = mb.to(ctx.device)
         last = i == len(micro_batches) - 1
         with autocast:
-            features = target_features(
-                target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout
+            features = (
+                target_features(
+                    target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout
+                )
+                if features_of is None
+                else features_of(mb)
             )
         with contextlib.nullcontext() if last else no_sync(model), borrowed_unsharded(model):
             with autocast:

@@ -1,0 +1,259 @@
+"""Decoupled training: target ranks compute the features, drafter ranks train on them.
+
+``train.topology: decoupled`` runs ``train.world_size + train.target_ranks`` processes in one
+``torchrun`` job. Global ranks ``[0, world_size)`` train the drafter, exactly as colocated
+ranks would, on their own process group and the same plan; ranks ``[world_size, world_size +
+target_ranks)`` hold the frozen target only and send each drafter rank the features of its
+micro-batches by point-to-point messages (gloo on CPU, NCCL on GPU). Drafter ranks come first
+so a drafter rank's global rank is its plan rank: checkpoints, logs and the rank-0 writer are
+those of a colocated run, which a decoupled run may resume and the other way round.
+
+Which target rank computes a micro-batch is fixed by :meth:`Layout.source`; both sides derive
+the shapes from the plan rows, so only the features travel, with no header. At most
+``train.feature_prefetch`` micro-batches per drafter rank are in flight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dflash.batching.io import Row
+from dflash.config import TrainConfig
+from dflash.model.features import target_features
+from dflash.train.batches import MicroBatch
+from dflash.train.distributed import Dist
+
+TIMEOUT = timedelta(seconds=600)
+"""How long a rank waits on its peer before the job fails naming it (the process group's)."""
+
+
+class TopologyError(RuntimeError):
+    """A peer rank stopped sending or taking features: the run cannot go on."""
+
+
+def processes(train: TrainConfig) -> int:
+    """Ranks in the job: the drafter ranks the plan is made for, plus the target ranks."""
+    return train.world_size + (train.target_ranks if train.topology == "decoupled" else 0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    drafter_ranks: int
+    target_ranks: int
+
+    def role(self, rank: int) -> str:
+        return "drafter" if rank < self.drafter_ranks else "target"
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} ({self.role(rank)})"
+
+    def source(self, drafter: int, index: int) -> int:
+        """Global rank of the target rank that computes micro-batch ``index`` (within the
+        epoch) of drafter rank ``drafter``: round robin, shifted per drafter rank so the
+        drafter ranks' micro-batches of one step land on different target ranks."""
+        return self.drafter_ranks + (drafter + index) % self.target_ranks
+
+    def roles(self) -> str:
+        d, n = self.drafter_ranks, self.target_ranks
+        return f"ranks 0-{d - 1} train the drafter, ranks {d}-{d + n - 1} run the target"
+
+
+def micro_batch_shape(rows: list[Row]) -> tuple[int, int]:
+    """``(rows, width)`` of the micro-batch ``dflash.train.batches`` builds from ``rows``."""
+    return len(rows), max(sum(length for _, _, length in row) for row in rows)
+
+
+def epoch_micro_batches(
+    steps: list[list[list[Row]]], first_step: int
+) -> Iterator[tuple[int, list[Row]]]:
+    """``(index within the epoch, rows)`` of a rank's micro-batches from ``first_step`` on."""
+    index = sum(len(step) for step in steps[:first_step])
+    for step in steps[first_step:]:
+        for rows in step:
+            yield index, rows
+            index += 1
+
+
+def schedule(
+    layout: Layout, rank: int, rank_steps: list[list[list[list[Row]]]], first_step: int
+) -> list[tuple[int, int, list[Row]]]:
+    """``(drafter rank, index, rows)`` that target ``rank`` computes in an epoch, in the order
+    it sends them: by index, then drafter rank, which is the order the drafter ranks consume
+    them in, so a bounded number in flight never deadlocks."""
+    work = [
+        (index, drafter, rows)
+        for drafter, steps in enumerate(rank_steps)
+        for index, rows in epoch_micro_batches(steps, first_step)
+        if layout.source(drafter, index) == rank
+    ]
+    return [(drafter, index, rows) for index, drafter, rows in sorted(work, key=lambda w: w[:2])]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This process's part in the job: ``ctx`` is the Dist it trains or serves with."""
+
+    ctx: Dist
+    layout: Layout | None
+    """None when colocated."""
+
+    @property
+    def serves_target(self) -> bool:
+        return self.layout is not None and self.layout.role(self.ctx.rank) == "target"
+
+
+def place(train: TrainConfig, world: Dist) -> Placement:
+    """Split the job's ranks by role (collective: every rank calls it)."""
+    if train.topology == "colocated":
+        return Placement(world, None)
+    layout = Layout(train.world_size, train.target_ranks)
+    if world.world_size != processes(train):
+        raise TopologyError(
+            f"decoupled training needs train.world_size + train.target_ranks = "
+            f"{processes(train)} ranks, torchrun started {world.world_size}"
+        )
+    group = dist.new_group(list(range(layout.drafter_ranks)), timeout=TIMEOUT)
+    if layout.role(world.rank) == "target":
+        return Placement(world, layout)
+    ctx = Dist(world.rank, layout.drafter_ranks, world.local_rank, world.device, group)
+    return Placement(ctx, layout)
+
+
+def wait(work: dist.Work, layout: Layout, peer: int, what: str) -> None:
+    """Wait for a point-to-point message; a dead or stuck peer becomes an error naming it."""
+    try:
+        ok = work.wait(TIMEOUT)
+    except RuntimeError as err:
+        raise TopologyError(f"{layout.describe(peer)} failed {what}: {err}") from err
+    if ok is False:
+        raise TopologyError(f"{layout.describe(peer)} timed out {what} after {TIMEOUT}")
+
+
+def start_point(world: Dist, epoch: int, step: int) -> tuple[int, int]:
+    """Drafter rank 0's resume point, on every rank of the job (collective)."""
+    point = torch.tensor([epoch, step], dtype=torch.int64, device=world.device)
+    dist.broadcast(point, src=0)
+    return int(point[0]), int(point[1])
+
+
+def fractions(world: Dist, idle_s: float, busy_s: float, role: str) -> dict[str, float]:
+    """Target idle and drafter wait fractions over the whole job (collective)."""
+    offset = 0 if role == "target" else 2
+    sums = torch.zeros(4, dtype=torch.float64)
+    sums[offset : offset + 2] = torch.tensor([idle_s, busy_s + idle_s], dtype=torch.float64)
+    sums = sums.to(world.device)
+    dist.all_reduce(sums)
+    sums = sums.cpu()
+    return {
+        "target_idle_fraction": float(sums[0] / sums[1].clamp(min=1e-9)),
+        "drafter_wait_fraction": float(sums[2] / sums[3].clamp(min=1e-9)),
+    }
+
+
+class ColocatedFeatures:
+    """The rank's own target computes its features."""
+
+    def __init__(self, target: torch.nn.Module, layer_ids: list[int]) -> None:
+        self.target, self.layer_ids = target, layer_ids
+
+    def start(self, epoch: int, step: int) -> None:
+        pass
+
+    def epoch(self, steps: list[list[list[Row]]], first_step: int) -> None:
+        pass
+
+    def __call__(self, mb: MicroBatch) -> torch.Tensor:
+        return target_features(
+            self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids, mb.layout
+        )
+
+    def finish(self) -> dict[str, float]:
+        return {"target_idle_fraction": 0.0, "drafter_wait_fraction": 0.0}
+
+
+class DecoupledFeatures:
+    """A drafter rank's features, received from the target ranks in plan order.
+
+    Receives for the next ``prefetch`` micro-batches are posted ahead, so the target ranks
+    compute while this rank trains; the time spent waiting on them is the drafter's wait.
+    """
+
+    def __init__(
+        self, ctx: Dist, layout: Layout, width: int, dtype: torch.dtype, prefetch: int
+    ) -> None:
+        self.ctx, self.layout, self.width, self.dtype = ctx, layout, width, dtype
+        self.prefetch = prefetch
+        self.world = Dist(ctx.rank, layout.drafter_ranks + layout.target_ranks, 0, ctx.device)
+        self.pending: deque[tuple[int, int, torch.Tensor, dist.Work]] = deque()
+        self.upcoming: Iterator[tuple[int, list[Row]]] = iter(())
+        self.wait_s = 0.0
+        self.began = time.perf_counter()
+
+    def start(self, epoch: int, step: int) -> None:
+        start_point(self.world, epoch, step)
+        self.began = time.perf_counter()
+
+    def epoch(self, steps: list[list[list[Row]]], first_step: int) -> None:
+        if self.pending:
+            raise TopologyError(f"{len(self.pending)} micro-batches of features never used")
+        self.upcoming = epoch_micro_batches(steps, first_step)
+        self._post()
+
+    def _post(self) -> None:
+        while len(self.pending) < self.prefetch:
+            index, rows = next(self.upcoming, (None, None))
+            if index is None:
+                return
+            source = self.layout.source(self.ctx.rank, index)
+            buffer = torch.empty(
+                (*micro_batch_shape(rows), self.width), dtype=self.dtype, device=self.ctx.device
+            )
+            self.pending.append((index, source, buffer, dist.irecv(buffer, src=source)))
+
+    def __call__(self, mb: MicroBatch) -> torch.Tensor:
+        index, source, buffer, work = self.pending.popleft()
+        began = time.perf_counter()
+        wait(work, self.layout, source, f"to send micro-batch {index} of drafter rank "
+             f"{self.ctx.rank}")  # fmt: skip
+        self.wait_s += time.perf_counter() - began
+        self._post()
+        if buffer.shape[:2] != mb.input_ids.shape:
+            raise TopologyError(
+                f"features of micro-batch {index} from {self.layout.describe(source)} are "
+                f"{tuple(buffer.shape)}, the micro-batch is {tuple(mb.input_ids.shape)}"
+            )
+        return buffer
+
+    def finish(self) -> dict[str, float]:
+        busy = time.perf_counter() - self.began - self.wait_s
+        return fractions(self.world, self.wait_s, busy, "drafter")
+
+
+def feature_source(
+    placement: Placement, target: torch.nn.Module, layer_ids: list[int], prefetch: int
+) -> ColocatedFeatures | DecoupledFeatures:
+    """Where a drafter rank's features come from: its own target, or the target ranks."""
+    if placement.layout is None:
+        return ColocatedFeatures(target, layer_ids)
+    width = len(layer_ids) * target.config.hidden_size
+    dtype = target.get_input_embeddings().weight.dtype
+    return DecoupledFeatures(placement.ctx, placement.layout, width, dtype, prefetch)
+
+
+@contextlib.contextmanager
+def naming_role(layout: Layout | None, rank: int) -> Iterator[None]:
+    """Prefix an error escaping a rank with its rank and role, for torchrun's report."""
+    try:
+        yield
+    except Exception as err:
+        if layout is not None:
+            err.add_note(f"dflash train: raised on {layout.describe(rank)}; {layout.roles()}")
+        raise

@@ -1,0 +1,228 @@
+"""Decoupled training: target ranks feed drafter ranks the features colocated ranks compute."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+from conftest import run_stages
+from test_train import final_weights, kill_tree
+
+from dflash import paths
+from dflash.batching.io import read_rank_plan
+from dflash.config import TrainConfig
+from dflash.data.store import TokenStore
+from dflash.model.load import load_target
+from dflash.train.batches import build_micro_batch
+from dflash.train.borrowed import load_borrowed
+from dflash.train.topology import (
+    Layout,
+    epoch_micro_batches,
+    micro_batch_shape,
+    processes,
+    schedule,
+)
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+DECOUPLED = ("train.topology=decoupled", "train.target_ranks=2")
+
+
+def test_the_job_has_the_drafter_ranks_of_the_plan_plus_the_target_ranks():
+    assert processes(TrainConfig(world_size=2)) == 2
+    assert processes(TrainConfig(world_size=2, topology="decoupled", target_ranks=3)) == 5
+    layout = Layout(drafter_ranks=2, target_ranks=3)
+    assert [layout.role(r) for r in range(5)] == ["drafter"] * 2 + ["target"] * 3
+    assert layout.roles() == "ranks 0-1 train the drafter, ranks 2-4 run the target"
+
+
+def fake_steps(n_steps: int, per_step: int, seed: int) -> list:
+    return [
+        [[[(seed * 1000 + s * 10 + m, 0, 5 + m)]] for m in range(per_step)] for s in range(n_steps)
+    ]
+
+
+@pytest.mark.parametrize(("drafters", "targets", "first_step"), [(1, 2, 0), (3, 2, 2), (2, 3, 1)])
+def test_every_micro_batch_is_computed_once_in_the_order_its_drafter_rank_takes_it(
+    drafters, targets, first_step
+):
+    layout = Layout(drafters, targets)
+    rank_steps = [fake_steps(5, 2, seed) for seed in range(drafters)]
+    served = {
+        t: schedule(layout, t, rank_steps, first_step) for t in range(drafters, drafters + targets)
+    }
+    for drafter, steps in enumerate(rank_steps):
+        wanted = list(epoch_micro_batches(steps, first_step))
+        got = sorted(
+            (index, t, rows)
+            for t, work in served.items()
+            for d, index, rows in work
+            if d == drafter  # noqa: E501
+        )
+        assert [(i, rows) for i, _, rows in got] == wanted
+        assert all(t == layout.source(drafter, i) for i, t, _ in got)
+    for work in served.values():
+        assert work == sorted(work, key=lambda w: (w[1], w[0])), "sent out of consumption order"
+    loads = [len(work) for work in served.values()]
+    assert max(loads) - min(loads) <= drafters
+
+
+def test_micro_batch_shape_is_the_one_built_from_the_rows(tiny_workspace):
+    store = TokenStore(tiny_workspace / paths.TOKENIZED)
+    steps = read_rank_plan(tiny_workspace / "data/plans/epoch_000.parquet", 1)
+    for _, rows in list(epoch_micro_batches(steps, 0))[:5]:
+        mb = build_micro_batch(
+            store, rows, block_size=4, anchors_per_sequence=6, gamma=7.0, seed=0, epoch=0
+        )
+        assert micro_batch_shape(rows) == tuple(mb.input_ids.shape)
+
+
+def test_a_drafter_rank_holds_only_the_borrowed_embedding_and_head(tiny_workspace):
+    whole = load_target(tiny_workspace / paths.TARGET, device="cpu")
+    borrowed = load_borrowed(tiny_workspace / paths.TARGET, torch.device("cpu"), torch.float32)
+    embed, head = borrowed.get_input_embeddings(), borrowed.get_output_embeddings()
+    assert torch.equal(embed.weight, whole.get_input_embeddings().weight)
+    assert torch.equal(head.weight, whole.get_output_embeddings().weight)
+    real = {n for n, p in borrowed.named_parameters() if not p.is_meta}
+    assert real == {"model.embed_tokens.weight"} | (
+        set() if head.weight is embed.weight else {"lm_head.weight"}
+    )
+    assert borrowed.config.num_hidden_layers == whole.config.num_hidden_layers
+
+
+def one_drafter_rank(workspace: Path) -> None:
+    """Plans for one drafter rank and one epoch, logging every step."""
+    params = yaml.safe_load((workspace / "params.yaml").read_text())
+    params["train"] |= {"world_size": 1, "epochs": 1, "checkpoint_every": 1}
+    (workspace / "params.yaml").write_text(yaml.safe_dump(params))
+    run_stages(workspace, ["plan"])
+
+
+def dflash_train(workspace: Path, *overrides: str, **kwargs) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dflash.cli", "train", *(f"--set={o}" for o in overrides)]
+    return subprocess.Popen(
+        cmd,
+        cwd=workspace,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
+
+
+def finished(workspace: Path, *overrides: str) -> str:
+    proc = dflash_train(workspace, *overrides)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def losses(workspace: Path) -> list[float]:
+    return [float(row["loss"]) for row in csv.DictReader(open(workspace / "plots/train/log.csv"))]
+
+
+@pytest.fixture
+def planned(tiny_workspace, tmp_path) -> tuple[Path, Path]:
+    """The colocated run on one rank, and a copy of its workspace before it trained."""
+    one_drafter_rank(tiny_workspace)
+    fresh = tmp_path / "decoupled"
+    os.system(f"cp -r {tiny_workspace} {fresh}")
+    finished(tiny_workspace)
+    return tiny_workspace, fresh
+
+
+@pytest.mark.slow
+def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter(planned):
+    colocated, decoupled = planned
+    finished(decoupled, *DECOUPLED)
+    assert losses(decoupled) == pytest.approx(losses(colocated), abs=1e-6, rel=0)
+    a, b = final_weights(colocated), final_weights(decoupled)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)
+    details = json.loads((decoupled / paths.TRAIN_DETAILS).read_text())
+    reference = json.loads((colocated / paths.TRAIN_DETAILS).read_text())
+    assert details["final_simulated_tau"] == pytest.approx(reference["final_simulated_tau"])
+    assert details["world_size"] == 1
+    for key in ("target_idle_fraction", "drafter_wait_fraction"):
+        assert 0.0 <= details[key] <= 1.0 and reference[key] == 0.0
+
+
+@pytest.mark.slow
+def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned):
+    colocated, decoupled = planned
+    proc = dflash_train(decoupled, *DECOUPLED)
+    first = decoupled / paths.CHECKPOINTS / (paths.CHECKPOINT_NAME.format(step=3) + ".sha256")
+    deadline = time.time() + 300
+    while time.time() < deadline and not first.exists() and proc.poll() is None:
+        time.sleep(0.01)
+    kill_tree(proc.pid)
+    proc.communicate()
+    assert first.exists() and not (decoupled / paths.DRAFTER).exists()
+    out = finished(decoupled, *DECOUPLED)
+    assert "resumed at" in out
+    a, b = final_weights(colocated), final_weights(decoupled)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("role", ["target", "drafter"])
+def test_a_dead_rank_ends_the_job_naming_its_rank_and_role(planned, role):
+    _, decoupled = planned
+    proc = dflash_train(decoupled, *DECOUPLED, "train.checkpoint_every=1000")
+    victim_rank = 2 if role == "target" else 0
+    deadline = time.time() + 300
+    victim = None
+    while time.time() < deadline and victim is None and proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                env = child.environ()
+            except psutil.Error:
+                continue
+            if env.get("RANK") == str(victim_rank) and "torch.distributed.run" not in " ".join(
+                child.cmdline()
+            ):
+                victim = child
+        time.sleep(0.05)
+    assert victim is not None, "the rank never started"
+    time.sleep(8)  # inside the run: models loaded, features flowing
+    victim.send_signal(signal.SIGKILL)
+    began = time.time()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - began < 120
+    named = re.search(rf"rank\s*:\s*{victim_rank}\b", out) or f"rank {victim_rank} ({role})" in out
+    assert named, out[-3000:]
+    assert "ranks 0-0 train the drafter, ranks 1-2 run the target" in out
+    assert not (decoupled / paths.DRAFTER).exists()
+
+
+def test_the_balancing_split_and_the_memory_per_role(monkeypatch):
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    from gpu_memory import BF16, QWEN3_8B
+    from memory_model import Batch, components, role_components
+    from topology import best_split
+
+    assert best_split(8, 1.0, 7.0)[0] == 1 and best_split(8, 1.0, 1.0)[0] == 4
+    assert best_split(8, 3.0, 1.0)[0] == 6
+    batch = Batch(rows=2, row_len=4096, anchors=1024)
+    whole = components(QWEN3_8B, batch, BF16, BF16)
+    target = role_components(QWEN3_8B, batch, BF16, BF16, "target")
+    drafter = role_components(QWEN3_8B, batch, BF16, BF16, "drafter")
+    assert target["target weights"] == whole["target weights"]
+    assert "target weights" not in drafter
+    assert sum(drafter.values()) < sum(whole.values()) - whole["target weights"] / 2
