@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dflash.train.allocator import configure_allocator
 from dflash.train.lock import launched_by_torchrun
 
 
@@ -34,6 +35,7 @@ class Dist:
 
 def init_distributed(timeout_s: float = 600.0) -> Dist:
     """Join the process group ``torchrun`` describes in the environment (or none)."""
+    configure_allocator(os.environ)
     if not launched_by_torchrun():
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return Dist(rank=0, world_size=1, local_rank=0, device=device)
