@@ -30,11 +30,11 @@ from dflash.model.attention import flex_available
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
-from dflash.model.load import load_target, target_device_dtype
+from dflash.model.load import load_target, load_target_shards, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
 from dflash.train.batches import MicroBatch, StepDataset, make_loader
-from dflash.train.distributed import Dist, barrier, init_distributed, shutdown
+from dflash.train.distributed import Dist, barrier, from_rank_zero, init_distributed, shutdown
 from dflash.train.monitor import Monitor
 from dflash.train.parallel import (
     borrowed_unsharded,
@@ -117,7 +117,7 @@ class Trainer:
             self.autocast,
             dict(config.data.chat_template_kwargs),
         )
-        self.fingerprint = checkpoint.run_fingerprint(config)
+        self.fingerprint = from_rank_zero(ctx, lambda: checkpoint.run_fingerprint(config))
         self.state = TrainState()
         self.parts = {
             "train_state": self.state,
@@ -135,14 +135,18 @@ class Trainer:
     def _load_target(self):
         """The frozen target, whole on this rank's device or sharded over the ranks.
 
-        Sharded, it is read into host memory and moved to the device a layer at a time as it
-        is sharded, so no device ever holds it whole.
+        Sharded, it is built on the meta device and each rank reads only its own shards, so
+        neither a device nor a rank's host memory ever holds it whole.
         """
         if not sharded(self.ctx, self.config.train.parallelism):
             return load_target(paths.TARGET, device=self.ctx.device)
-        target = load_target(paths.TARGET, device="cpu", dtype=target_device_dtype()[1])
-        shard_target(target, mesh(self.ctx))
-        return target
+        device_mesh = mesh(self.ctx)
+        return load_target_shards(
+            paths.TARGET,
+            self.ctx.device,
+            target_device_dtype()[1],
+            lambda target: shard_target(target, device_mesh),
+        )
 
     # ----------------------------------------------------------------- the loop
     def fit(self) -> None:
