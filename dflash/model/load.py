@@ -12,7 +12,6 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -99,14 +98,19 @@ def local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None, int]:
     return tensor.to_local(), dim, start
 
 
-def read_rows(handle, name: str, dim: int | None, start: int, length: int) -> torch.Tensor:
-    """Tensor ``name`` of an open safetensors file: rows ``start:start+length`` of ``dim``."""
-    if dim is None:
-        return handle.get_tensor(name)
-    stored = handle.get_slice(name)
-    index = [slice(None)] * len(stored.get_shape())
-    index[dim] = slice(start, start + length)
-    return stored[tuple(index)]
+def read_rows(path: Path, name: str, dim: int | None, start: int, length: int) -> torch.Tensor:
+    """Tensor ``name`` of a safetensors file, or only its rows ``start:start+length`` of ``dim``.
+
+    The file is opened for this one tensor: its pages are mapped into the process while it is
+    open, so a handle kept across tensors would keep every row read so far resident too.
+    """
+    with safe_open(path, framework="pt") as handle:
+        if dim is None:
+            return handle.get_tensor(name)
+        stored = handle.get_slice(name)
+        index = [slice(None)] * len(stored.get_shape())
+        index[dim] = slice(start, start + length)
+        return stored[tuple(index)]
 
 
 def file_tensors(model: nn.Module) -> dict[str, list[str]]:
@@ -132,19 +136,15 @@ def recompute_buffers(model: PreTrainedModel) -> None:
 
 def load_local_shards(model: nn.Module, files: dict[str, Path]) -> None:
     """Copy this rank's rows of every stored tensor from ``files`` into ``model``."""
-    with ExitStack() as stack, torch.no_grad():
-        handles = {}
+    with torch.no_grad():
         for first, names in file_tensors(model).items():
             name = next((n for n in names if n in files), None)
             if name is None:
                 raise KeyError(f"{first}: not in the target's safetensors files")
-            path = files[name]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
             owner, _, attr = first.rpartition(".")
             local, dim, start = local_rows(getattr(model.get_submodule(owner), attr))
             length = 0 if dim is None else local.shape[dim]
-            local.copy_(read_rows(handles[path], name, dim, start, length))
+            local.copy_(read_rows(files[name], name, dim, start, length))
 
 
 def load_target_shards(
