@@ -10,8 +10,8 @@ import torch
 from dflash import paths
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.load import load_target
 from dflash.model.generate import greedy_generate
+from dflash.model.load import load_target
 from dflash.train.simulated import NEW_TOKENS, SimulatedTau, answer, through_first_stop
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)

@@ -33,7 +33,7 @@ from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, load_target_shards, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
-from dflash.train.batches import MicroBatch, StepDataset, make_loader
+from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
 from dflash.train.distributed import Dist, barrier, from_rank_zero, init_distributed, shutdown
 from dflash.train.monitor import Monitor
 from dflash.train.parallel import (
@@ -118,6 +118,7 @@ class Trainer:
             dict(config.data.chat_template_kwargs),
         )
         self.fingerprint = from_rank_zero(ctx, lambda: checkpoint.run_fingerprint(config))
+        self.planned, self.loader = self._make_loader()
         self.state = TrainState()
         self.parts = {
             "train_state": self.state,
@@ -181,21 +182,18 @@ class Trainer:
 
     def _run_epoch(self, epoch: int, monitor: Monitor | None) -> None:
         c = self.config
-        dataset = self._epoch_dataset(epoch)
-        loader = make_loader(
-            dataset, c.train.num_workers, c.train.prefetch, self.ctx.device.type == "cuda"
-        )
+        self.planned.set_epoch(epoch, self._epoch_steps(epoch), self.state.step_in_epoch)
         bar = progress_bar(
             total=self.epoch_steps[epoch],
-            initial=dataset.first_step,
+            initial=self.state.step_in_epoch,
             desc=f"epoch {epoch + 1}/{c.train.epochs}",
             unit="step",
             disable=not self.ctx.is_main,
             dynamic_ncols=True,
         )
         window = _Window()
-        iterator = iter(loader)
-        for _ in range(len(dataset)):
+        iterator = iter(self.loader)
+        for _ in range(len(self.planned)):
             t0 = time.perf_counter()
             micro_batches = next(iterator)
             t1 = time.perf_counter()
@@ -230,9 +228,8 @@ class Trainer:
         step = self.state.global_step
         checkpoint.save_checkpoint(paths.CHECKPOINTS, step, self.parts, self.fingerprint, keep)
 
-    def _epoch_dataset(self, epoch: int) -> StepDataset:
-        """This rank's steps of the epoch's plan, from the step a resumed run stopped at."""
-        c = self.config
+    def _epoch_steps(self, epoch: int) -> list:
+        """This rank's steps of the epoch's plan, checked against the plan's summary."""
         path = epoch_path(paths.PLANS, epoch)
         check_epoch_file(path, self.plan_meta, epoch)
         steps = read_rank_plan(path, self.ctx.rank)
@@ -241,17 +238,24 @@ class Trainer:
                 f"{path}: rank {self.ctx.rank} has {len(steps)} steps, summary.json says "
                 f"{self.epoch_steps[epoch]}; rerun `dflash plan`"
             )
-        return StepDataset(
+        return steps
+
+    def _make_loader(self) -> tuple[PlannedSteps, torch.utils.data.DataLoader]:
+        """One loader for the whole run: its workers serve every epoch's plan in turn."""
+        c = self.config
+        builder = StepBuilder(
             self.store,
-            steps,
-            first_step=self.state.step_in_epoch,
             block_size=c.drafter.block_size,
             anchors_per_sequence=c.drafter.anchors_per_sequence,
             gamma=c.drafter.gamma,
             seed=c.train.seed,
-            epoch=epoch,
             flex=flex_available(self.ctx.device),
             windows=sliding_windows(self.target),
+        )
+        planned = PlannedSteps()
+        cuda = self.ctx.device.type == "cuda"
+        return planned, make_loader(
+            builder, c.train.num_workers, c.train.prefetch, cuda, sampler=planned
         )
 
     def _record(self, epoch: int, result: dict[str, Any], seconds: float, wait: float) -> None:
