@@ -34,6 +34,7 @@ from dflash.model.load import load_target, load_target_shards, target_device_dty
 from dflash.progress import progress_bar
 from dflash.train import checkpoint
 from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
+from dflash.train.clock import StepClock
 from dflash.train.distributed import Dist, barrier, from_rank_zero, init_distributed, shutdown
 from dflash.train.monitor import Monitor
 from dflash.train.parallel import (
@@ -119,6 +120,7 @@ class Trainer:
         )
         self.fingerprint = from_rank_zero(ctx, lambda: checkpoint.run_fingerprint(config))
         self.planned, self.loader = self._make_loader()
+        self.clock = StepClock(ctx.device)
         self.state = TrainState()
         self.parts = {
             "train_state": self.state,
@@ -195,12 +197,13 @@ class Trainer:
         iterator = iter(self.loader)
         for _ in range(len(self.planned)):
             t0 = time.perf_counter()
+            began = self.clock.start()
             micro_batches = next(iterator)
-            t1 = time.perf_counter()
+            wait = time.perf_counter() - t0
             result = self._step(micro_batches)
-            t2 = time.perf_counter()
-            self._record(epoch, result, t2 - t0, t1 - t0)
-            window.add(result, t2 - t0, t1 - t0)
+            seconds, timed = self.clock.stop(began)
+            self._record(epoch, result, seconds, wait, timed)
+            window.add(result, seconds, wait)
             if monitor is not None:
                 monitor.step(result)
             bar.update(1)
@@ -258,7 +261,9 @@ class Trainer:
             builder, c.train.num_workers, c.train.prefetch, cuda, sampler=planned
         )
 
-    def _record(self, epoch: int, result: dict[str, Any], seconds: float, wait: float) -> None:
+    def _record(
+        self, epoch: int, result: dict[str, Any], seconds: float, wait: float, timed: bool
+    ) -> None:
         """Count a finished step into the run's state (checkpointed, so resumes continue it)."""
         s = self.state
         s.step_in_epoch += 1
@@ -267,6 +272,10 @@ class Trainer:
         s.data_wait_s += wait
         s.real_tokens += result["real_tokens"]
         s.padded_tokens += result["padded_tokens"]
+        if timed:
+            s.timed_s += seconds
+            s.timed_real_tokens += result["real_tokens"]
+            s.timed_padded_tokens += result["padded_tokens"]
         if result["finite"]:
             s.epoch_loss.append((epoch, result["loss"], result["weight"]))
 
@@ -319,8 +328,7 @@ class Trainer:
             "final_accuracy": last_row.get("accuracy", float("nan")),
             "final_simulated_tau": last_row.get("simulated_tau", float("nan")),
             "simulated_tau_cost": tau_seconds / max(s.elapsed_s, 1e-9),
-            "tokens_per_s": s.real_tokens / max(s.elapsed_s, 1e-9),
-            "padded_tokens_per_s": s.padded_tokens / max(s.elapsed_s, 1e-9),
+            **throughput(s),
             "padding_efficiency": s.real_tokens / max(s.padded_tokens, 1),
             "data_wait_fraction": s.data_wait_s / max(s.elapsed_s, 1e-9),
             "steps": s.global_step,
@@ -329,6 +337,18 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "train_seconds": s.elapsed_s,
         }
+
+
+def throughput(s: TrainState) -> dict[str, float]:
+    """Tokens per second past warm-up; over every step when the run was all warm-up."""
+    if s.timed_s > 0:
+        seconds, real, padded = s.timed_s, s.timed_real_tokens, s.timed_padded_tokens
+    else:
+        seconds, real, padded = s.elapsed_s, s.real_tokens, s.padded_tokens
+    return {
+        "tokens_per_s": real / max(seconds, 1e-9),
+        "padded_tokens_per_s": padded / max(seconds, 1e-9),
+    }
 
 
 class _Window:
