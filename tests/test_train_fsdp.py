@@ -130,14 +130,17 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, torch.distributed.tensor.DTensor) else tensor
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_target_loaded_in_shards_is_the_target(world_of_one, tmp_path, tied):
+@pytest.mark.parametrize(("tied", "files"), [(False, "one"), (True, "several")])
+def test_target_loaded_in_shards_is_the_target(world_of_one, tmp_path, tied, files):
     """Built on the meta device, sharded, then read: every weight, buffer and logit the same."""
     model = tiny_qwen3()
     if tied:
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.save_pretrained(tmp_path / "target")
+    model.save_pretrained(
+        tmp_path / "target", max_shard_size="100KB" if files == "several" else "5GB"
+    )
+    assert (len(list((tmp_path / "target").glob("*.safetensors"))) > 1) == (files == "several")
     whole = load_target(tmp_path / "target", "cpu")
     shards = load_target_shards(
         tmp_path / "target",

@@ -63,9 +63,9 @@ SAFETENSORS_FILE = "model.safetensors"
 
 def model_directory(path: str) -> Path:
     """The local directory of a resolved target path: itself, or a hub id's cached snapshot."""
-    return (
-        Path(path) if Path(path).is_dir() else Path(snapshot_download(path, local_files_only=True))
-    )
+    if Path(path).is_dir():
+        return Path(path)
+    return Path(snapshot_download(path, local_files_only=True))
 
 
 def weight_files(directory: Path) -> dict[str, Path] | None:
@@ -165,12 +165,10 @@ def load_target_shards(
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if files is None or not all(
-        set(names) & files.keys() for names in file_tensors(model).values()
-    ):
-        print(
-            f"[load] {directory}: no safetensors for every weight, loading whole", file=sys.stderr
-        )
+    tensors = file_tensors(model).values()
+    if files is None or not all(set(names) & files.keys() for names in tensors):
+        why = "weights not all in safetensors files: each rank loads them whole, then shards"
+        print(f"[load] {directory}: {why}", file=sys.stderr)
         model = load_target(path_or_dir, device="cpu", dtype=dtype)
         shard(model)
         return model
