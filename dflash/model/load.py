@@ -57,10 +57,6 @@ def load_target(
     return model
 
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_FILE = "model.safetensors"
-
-
 def model_directory(path: str) -> Path:
     """The local directory of a resolved target path: itself, or a hub id's cached snapshot."""
     if Path(path).is_dir():
@@ -70,11 +66,11 @@ def model_directory(path: str) -> Path:
 
 def weight_files(directory: Path) -> dict[str, Path] | None:
     """Which safetensors file holds each tensor, or None for weights in another format."""
-    index = directory / SAFETENSORS_INDEX
+    index = directory / paths.WEIGHTS_INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: directory / file for name, file in weight_map.items()}
-    single = directory / SAFETENSORS_FILE
+    single = directory / paths.WEIGHTS_FILE
     if not single.is_file():
         return None
     with safe_open(single, framework="pt") as handle:
