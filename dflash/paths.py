@@ -27,6 +27,10 @@ TOKENIZER_INFO = "dflash_tokenizer.json"
 """In a tokenizer directory: where it came from, its mask token and its hash."""
 TARGET = Path("models/target")
 TARGET_REFERENCE = "dflash_target.json"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+"""A Hugging Face model's map from tensor name to safetensors file, when it has several."""
+WEIGHTS_FILE = "model.safetensors"
+"""A Hugging Face model's weights, when they fit in one safetensors file."""
 """In a target directory: the reference to a model that is not copied (``target.path``)."""
 TARGET_METRICS = Path("metrics/target.json")
 """The headline figures (:mod:`dflash.headline`); ``TARGET_DETAILS`` holds them all."""

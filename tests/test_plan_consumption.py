@@ -7,14 +7,16 @@ micro-batch tensors a rank's DataLoader yields show which samples they hold and 
 from __future__ import annotations
 
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from dflash.batching.boundaries import optimal_boundaries
 from dflash.batching.io import epoch_path, read_rank_plan
 from dflash.batching.params import PlanParams
 from dflash.batching.plan import write_plans
-from dflash.train.batches import StepDataset, make_loader
+from dflash.train.batches import PlannedSteps, StepBuilder, StepDataset, make_loader
 
 WORLD, ACCUM, EPOCHS = 2, 2, 2
 
@@ -78,3 +80,30 @@ def test_each_rank_consumes_exactly_its_plan_rows_in_order(tmp_path, strategy):
         if strategy == "packed":
             keys = [row[:4] for row in rows]
             assert len(set(keys)) < len(keys), "no packed row holds several documents"
+
+
+def test_one_pool_of_workers_serves_every_epochs_plan_and_a_resume(tmp_path):
+    """Persistent workers build exactly what a fresh per-epoch loader builds, epoch by epoch."""
+    lengths = np.random.default_rng(2).integers(5, 40, 60).astype(np.int32)
+    write_plans(lengths, PlanParams("shuffle", 160, 48, 4, WORLD, ACCUM, seed=3), EPOCHS, tmp_path)
+    store = CodedStore(lengths)
+    knobs = dict(block_size=4, anchors_per_sequence=2, gamma=7.0, seed=0)
+    planned = PlannedSteps()
+    loader = make_loader(StepBuilder(store, **knobs), 2, 2, False, sampler=planned)
+    pools = []
+    for epoch, first_step in [(0, 0), (1, 0), (1, 2)]:
+        steps = read_rank_plan(epoch_path(tmp_path, epoch), 1)
+        planned.set_epoch(epoch, steps, first_step)
+        got = list(loader)
+        pools.append({p.pid for p in psutil.Process().children()})
+        fresh = StepDataset(store, steps, first_step=first_step, epoch=epoch, **knobs)
+        assert len(got) == len(fresh) == len(steps) - first_step
+        for mine, theirs in zip(got, make_loader(fresh, 0, 2, False), strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b), strict=True))
+                assert a.weight_sum == b.weight_sum and a.n_samples == b.n_samples
+    assert len(pools[0]) == 2 and pools[0] == pools[1] == pools[2], "workers were re-forked"
+
+
+def tensors(micro_batch) -> list[torch.Tensor]:
+    return [v for v in vars(micro_batch).values() if isinstance(v, torch.Tensor)]

@@ -10,8 +10,9 @@ import torch
 from dflash import paths
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.generate import greedy_generate
 from dflash.model.load import load_target
-from dflash.train.simulated import SimulatedTau
+from dflash.train.simulated import NEW_TOKENS, SimulatedTau, answer, through_first_stop
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 
@@ -67,3 +68,22 @@ def test_simulated_tau_is_deterministic_and_in_range(built, tiny_workspace_templ
     assert simulated.measure(drafter) == again.measure(drafter) == simulated.measure(drafter)
     assert 1.0 <= simulated.measure(drafter) <= drafter.config.block_size
     assert simulated.seconds > 0
+
+
+def test_answers_run_the_whole_budget_and_match_a_stopping_decode(built):
+    """Every rank runs ``NEW_TOKENS`` forwards (FSDP gathers in each), whatever token stops."""
+    target = built[0]
+    prompt = [5, 17, 42, 9]
+    free = greedy_generate(target, prompt, NEW_TOKENS)
+    forwards = []
+    hook = target.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        for stop in (free[0], free[NEW_TOKENS // 2], -1):
+            forwards.clear()
+            got = answer(target, prompt, {stop})
+            assert len(forwards) == NEW_TOKENS
+            assert got == greedy_generate(target, prompt, NEW_TOKENS, [stop])
+    finally:
+        hook.remove()
+    assert through_first_stop([4, 2, 7, 2], {2}) == [4, 2]
+    assert through_first_stop([4, 2, 7], {9}) == [4, 2, 7]

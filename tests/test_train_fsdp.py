@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import csv
 import os
+import socket
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from conftest import tiny_qwen3
+from safetensors.torch import load_file
 from test_train import final_weights, torchrun
 
 from dflash.model.drafter import DFlashDrafter
-from dflash.train.distributed import Dist
-from dflash.train.parallel import borrowed_unsharded, clip_grad_norm, wrap_drafter
+from dflash.model.load import load_target, load_target_shards, shard_start
+from dflash.train.distributed import Dist, from_rank_zero, init_distributed
+from dflash.train.parallel import (
+    borrowed_unsharded,
+    clip_grad_norm,
+    mesh,
+    shard_target,
+    wrap_drafter,
+)
 
 
 @pytest.fixture
@@ -106,3 +116,90 @@ def test_clip_grad_norm_is_torch_clip_grad_norm():
     assert norm == torch.nn.utils.clip_grad_norm_(theirs, 1.0).item()
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_shard_start_is_where_torch_chunk_splits():
+    for size in (1, 5, 8, 9, 300):
+        for world in (1, 2, 3, 4, 8):
+            chunks = torch.arange(size).chunk(world)
+            starts = [int(c[0]) for c in chunks] + [size] * (world - len(chunks))
+            assert [shard_start(size, world, rank) for rank in range(world)] == starts
+
+
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, torch.distributed.tensor.DTensor) else tensor
+
+
+@pytest.mark.parametrize(("tied", "files"), [(False, "one"), (True, "several")])
+def test_target_loaded_in_shards_is_the_target(world_of_one, tmp_path, tied, files):
+    """Built on the meta device, sharded, then read: every weight, buffer and logit the same."""
+    model = tiny_qwen3()
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(
+        tmp_path / "target", max_shard_size="100KB" if files == "several" else "5GB"
+    )
+    assert (len(list((tmp_path / "target").glob("*.safetensors"))) > 1) == (files == "several")
+    whole = load_target(tmp_path / "target", "cpu")
+    shards = load_target_shards(
+        tmp_path / "target",
+        torch.device("cpu"),
+        torch.float32,
+        lambda target: shard_target(target, mesh(world_of_one)),
+    )
+    assert (shards.lm_head.weight is shards.model.embed_tokens.weight) == tied
+    assert whole.state_dict().keys() == shards.state_dict().keys()
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(whole_tensor(shards.state_dict()[name]), tensor), name
+    for (name, buffer), (other, loaded) in zip(
+        whole.named_buffers(), shards.named_buffers(), strict=True
+    ):
+        assert name == other and torch.equal(buffer, loaded), name
+    assert not any(p.requires_grad for p in shards.parameters()) and not shards.training
+    ids = torch.randint(0, 300, (2, 12))
+    assert torch.equal(shards(ids).logits, whole(ids).logits)
+
+
+def load_on_two_ranks(rank: int, directory: str, port: int, results) -> None:
+    """One of two gloo ranks: a digest from rank 0 alone, and the target in shards."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    ctx = init_distributed()
+    computed_here = []
+    digest = from_rank_zero(ctx, lambda: computed_here.append(rank) or f"rank {rank}'s digest")
+    target = load_target_shards(
+        directory, ctx.device, torch.float32, lambda t: shard_target(t, mesh(ctx))
+    )
+    stored = load_file(f"{directory}/model.safetensors")
+    state = target.state_dict()
+    results.put(
+        {
+            "rank": rank,
+            "digest": digest,
+            "computed_here": computed_here,
+            "held": sum(p.to_local().numel() for p in target.parameters()),
+            "equal": all(torch.equal(whole_tensor(state[n]), t) for n, t in stored.items()),
+        }
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_share_rank_zeros_digest_and_each_hold_half_the_target(tmp_path):
+    model = tiny_qwen3()
+    model.save_pretrained(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(load_on_two_ranks, (str(tmp_path), port, results), nprocs=2)
+    ranks = sorted((results.get() for _ in range(2)), key=lambda r: r["rank"])
+    assert [r["digest"] for r in ranks] == ["rank 0's digest"] * 2
+    assert [r["computed_here"] for r in ranks] == [[0], []]
+    assert all(r["equal"] for r in ranks)
+    total = sum(p.numel() for p in model.parameters())
+    assert sum(r["held"] for r in ranks) == total
+    assert max(r["held"] for r in ranks) <= total // 2 + 300 * 32  # a row of each tensor at most

@@ -16,6 +16,8 @@ import torch
 from dflash import paths
 from dflash.errors import ConfigError
 from dflash.train import preflight
+from dflash.train.allocator import configure_allocator
+from dflash.train.distributed import init_distributed
 from dflash.train.lock import WorkspaceBusy, workspace_lock
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -113,3 +115,25 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
         os.kill(pid, signal.SIGKILL)
     assert survivors == []
     assert not (tiny_workspace / paths.DRAFTER).exists()
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}, None),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, None),
+    ],
+)
+def test_expandable_segments_unless_the_user_set_the_allocator(environ, expected):
+    before = dict(environ)
+    configure_allocator(environ)
+    assert environ == (before if expected is None else expected)
+
+
+def test_ranks_start_with_expandable_segments(monkeypatch):
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    init_distributed()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"

@@ -9,6 +9,7 @@ epoch, and the same whatever the world size or the point a run resumed from.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -144,15 +145,15 @@ class StepDataset(torch.utils.data.Dataset):
         flex: bool = False,
         windows: tuple[int, ...] = (),
     ) -> None:
-        self.store = store
         self.steps = steps
         self.first_step = first_step
-        self.kwargs = dict(
+        self.epoch = epoch
+        self.builder = StepBuilder(
+            store,
             block_size=block_size,
             anchors_per_sequence=anchors_per_sequence,
             gamma=gamma,
             seed=seed,
-            epoch=epoch,
             flex=flex,
             windows=windows,
         )
@@ -161,22 +162,88 @@ class StepDataset(torch.utils.data.Dataset):
         return len(self.steps) - self.first_step
 
     def __getitem__(self, i: int) -> list[MicroBatch]:
-        micro_batches = self.steps[self.first_step + i]
-        return [build_micro_batch(self.store, rows, **self.kwargs) for rows in micro_batches]
+        return self.builder[self.epoch, self.steps[self.first_step + i]]
 
 
-def make_loader(dataset: StepDataset, num_workers: int, prefetch: int, pin_memory: bool):
+class StepBuilder(torch.utils.data.Dataset):
+    """Item ``(epoch, micro_batches)`` = those planned micro-batches, built for that epoch.
+
+    The key carries the plan rows, so workers that outlive an epoch need no plan of their own:
+    :class:`PlannedSteps` hands them each epoch's steps.
+    """
+
+    def __init__(
+        self,
+        store: TokenStore,
+        *,
+        block_size: int,
+        anchors_per_sequence: int,
+        gamma: float,
+        seed: int,
+        flex: bool = False,
+        windows: tuple[int, ...] = (),
+    ) -> None:
+        self.store = store
+        self.kwargs = dict(
+            block_size=block_size,
+            anchors_per_sequence=anchors_per_sequence,
+            gamma=gamma,
+            seed=seed,
+            flex=flex,
+            windows=windows,
+        )
+
+    def __getitem__(self, key: tuple[int, list[list[Row]]]) -> list[MicroBatch]:
+        epoch, micro_batches = key
+        return [
+            build_micro_batch(self.store, rows, epoch=epoch, **self.kwargs)
+            for rows in micro_batches
+        ]
+
+
+class PlannedSteps(torch.utils.data.Sampler):
+    """The keys of :class:`StepBuilder` for this rank's steps of one epoch, in plan order.
+
+    Set per epoch (from the step a resumed run stopped at) in the training process, where the
+    DataLoader reads it each time an epoch's iteration starts.
+    """
+
+    def __init__(self) -> None:
+        self.epoch, self.steps, self.first_step = 0, [], 0
+
+    def set_epoch(self, epoch: int, steps: list[list[list[Row]]], first_step: int) -> None:
+        self.epoch, self.steps, self.first_step = epoch, steps, first_step
+
+    def __len__(self) -> int:
+        return len(self.steps) - self.first_step
+
+    def __iter__(self) -> Iterator[tuple[int, list[list[Row]]]]:
+        for step in self.steps[self.first_step :]:
+            yield self.epoch, step
+
+
+def make_loader(
+    dataset: torch.utils.data.Dataset,
+    num_workers: int,
+    prefetch: int,
+    pin_memory: bool,
+    sampler: PlannedSteps | None = None,
+):
     """A DataLoader that prepares whole steps ahead of compute in background workers.
 
-    An exception in a worker is re-raised in the training process by the DataLoader, so the
-    run stops with it (and ``torchrun`` stops the other ranks) instead of waiting forever.
+    The workers persist from one epoch to the next (forking a pool per epoch costs a copy of
+    the process each time). An exception in a worker is re-raised in the training process by
+    the DataLoader, so the run stops with it (and ``torchrun`` stops the other ranks) instead
+    of waiting forever.
     """
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,
         shuffle=False,
+        sampler=sampler,
         num_workers=num_workers,
         prefetch_factor=prefetch if num_workers > 0 else None,
+        persistent_workers=num_workers > 0,
         pin_memory=pin_memory,
         collate_fn=None,
         timeout=0,

@@ -7,13 +7,18 @@ a process group, so tests and notebooks need no launcher.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from dflash.train.allocator import configure_allocator
 from dflash.train.lock import launched_by_torchrun
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,7 @@ class Dist:
 
 def init_distributed(timeout_s: float = 600.0) -> Dist:
     """Join the process group ``torchrun`` describes in the environment (or none)."""
+    configure_allocator(os.environ)
     if not launched_by_torchrun():
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return Dist(rank=0, world_size=1, local_rank=0, device=device)
@@ -68,6 +74,20 @@ def all_reduce_sum(ctx: Dist, values: torch.Tensor) -> torch.Tensor:
     if ctx.enabled:
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=ctx.group)
     return values
+
+
+def from_rank_zero(ctx: Dist, compute: Callable[[], T]) -> T:
+    """``compute()`` on rank 0 alone, its result handed to every rank.
+
+    For digests of large inputs (a 140 GB target directory, the token store): one read of the
+    files instead of one per rank, and one answer, so no rank can disagree with another.
+    """
+    value = compute() if ctx.is_main else None
+    if ctx.enabled:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        value = box[0]
+    return value
 
 
 def barrier(ctx: Dist) -> None:

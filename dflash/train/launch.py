@@ -25,11 +25,13 @@ import yaml
 
 from dflash.config import Config
 from dflash.declaration import whole
+from dflash.train.allocator import configure_allocator
 from dflash.train.lock import HELD_BY_LAUNCHER, WorkspaceBusy, launched_by_torchrun, workspace_lock
 from dflash.train.orphans import die_with_parent, parent_death_signal
 
 
 def run(config: Config) -> int:
+    configure_allocator(os.environ)  # before any CUDA use here, and inherited by the ranks
     try:
         return _rank(config) if launched_by_torchrun() else _launch(config)
     except WorkspaceBusy as err:

@@ -30,12 +30,13 @@ from dflash.model.attention import flex_available, flex_compiles
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
-from dflash.model.load import load_target, target_device_dtype
+from dflash.model.load import load_target, load_target_shards, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.train import checkpoint, topology
-from dflash.train.batches import MicroBatch, StepDataset, make_loader
+from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
 from dflash.train.borrowed import load_borrowed
-from dflash.train.distributed import Dist, barrier, init_distributed, shutdown
+from dflash.train.clock import StepClock
+from dflash.train.distributed import Dist, barrier, from_rank_zero, init_distributed, shutdown
 from dflash.train.feature_server import receive_row, serve
 from dflash.train.monitor import Monitor
 from dflash.train.parallel import (
@@ -122,7 +123,9 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.simulated = self._simulated(tokenizer)
-        self.fingerprint = checkpoint.run_fingerprint(config)
+        self.fingerprint = from_rank_zero(ctx, lambda: checkpoint.run_fingerprint(config))
+        self.planned, self.loader = self._make_loader()
+        self.clock = StepClock(ctx.device)
         self.state = TrainState()
         self.parts = {
             "train_state": self.state,
@@ -140,17 +143,21 @@ class Trainer:
     def _load_target(self):
         """The frozen target, whole on this rank's device or sharded over the ranks.
 
-        Sharded, it is read into host memory and moved to the device a layer at a time as it
-        is sharded, so no device ever holds it whole. A decoupled drafter rank holds only the
-        parts the drafter borrows.
+        Sharded, it is built on the meta device and each rank reads only its own shards, so
+        neither a device nor a rank's host memory ever holds it whole. A decoupled drafter rank
+        holds only the parts the drafter borrows.
         """
         if self.placement.layout is not None:
             return load_borrowed(paths.TARGET, self.ctx.device, target_device_dtype()[1])
         if not sharded(self.ctx, self.config.train.parallelism):
             return load_target(paths.TARGET, device=self.ctx.device)
-        target = load_target(paths.TARGET, device="cpu", dtype=target_device_dtype()[1])
-        shard_target(target, mesh(self.ctx))
-        return target
+        device_mesh = mesh(self.ctx)
+        return load_target_shards(
+            paths.TARGET,
+            self.ctx.device,
+            target_device_dtype()[1],
+            lambda target: shard_target(target, device_mesh),
+        )
 
     def _simulated(self, tokenizer) -> SimulatedTau | None:
         """The held-out batch for τ; a decoupled drafter rank gets its target part sent."""
@@ -198,29 +205,28 @@ class Trainer:
 
     def _run_epoch(self, epoch: int, monitor: Monitor | None) -> None:
         c = self.config
-        dataset = self._epoch_dataset(epoch)
-        self.features.epoch(dataset.steps, dataset.first_step)
-        loader = make_loader(
-            dataset, c.train.num_workers, c.train.prefetch, self.ctx.device.type == "cuda"
-        )
+        steps = self._epoch_steps(epoch)
+        self.features.epoch(steps, self.state.step_in_epoch)
+        self.planned.set_epoch(epoch, steps, self.state.step_in_epoch)
         bar = progress_bar(
             total=self.epoch_steps[epoch],
-            initial=dataset.first_step,
+            initial=self.state.step_in_epoch,
             desc=f"epoch {epoch + 1}/{c.train.epochs}",
             unit="step",
             disable=not self.ctx.is_main,
             dynamic_ncols=True,
         )
         window = _Window()
-        iterator = iter(loader)
-        for _ in range(len(dataset)):
+        iterator = iter(self.loader)
+        for _ in range(len(self.planned)):
             t0 = time.perf_counter()
+            began = self.clock.start()
             micro_batches = next(iterator)
-            t1 = time.perf_counter()
+            wait = time.perf_counter() - t0
             result = self._step(micro_batches)
-            t2 = time.perf_counter()
-            self._record(epoch, result, t2 - t0, t1 - t0)
-            window.add(result, t2 - t0, t1 - t0)
+            seconds, timed = self.clock.stop(began)
+            self._record(epoch, result, seconds, wait, timed)
+            window.add(result, seconds, wait)
             if monitor is not None:
                 monitor.step(result)
             bar.update(1)
@@ -249,9 +255,8 @@ class Trainer:
             paths.CHECKPOINTS, step, self.parts, self.fingerprint, keep, self.ctx.group
         )
 
-    def _epoch_dataset(self, epoch: int) -> StepDataset:
-        """This rank's steps of the epoch's plan, from the step a resumed run stopped at."""
-        c = self.config
+    def _epoch_steps(self, epoch: int) -> list:
+        """This rank's steps of the epoch's plan, checked against the plan's summary."""
         path = epoch_path(paths.PLANS, epoch)
         check_epoch_file(path, self.plan_meta, epoch)
         steps = read_rank_plan(path, self.ctx.rank)
@@ -260,20 +265,29 @@ class Trainer:
                 f"{path}: rank {self.ctx.rank} has {len(steps)} steps, summary.json says "
                 f"{self.epoch_steps[epoch]}; rerun `dflash plan`"
             )
-        return StepDataset(
+        return steps
+
+    def _make_loader(self) -> tuple[PlannedSteps, torch.utils.data.DataLoader]:
+        """One loader for the whole run: its workers serve every epoch's plan in turn."""
+        c = self.config
+        builder = StepBuilder(
             self.store,
-            steps,
-            first_step=self.state.step_in_epoch,
             block_size=c.drafter.block_size,
             anchors_per_sequence=c.drafter.anchors_per_sequence,
             gamma=c.drafter.gamma,
             seed=c.train.seed,
-            epoch=epoch,
             flex=flex_available(self.ctx.device),
             windows=sliding_windows(self.target),
         )
+        planned = PlannedSteps()
+        cuda = self.ctx.device.type == "cuda"
+        return planned, make_loader(
+            builder, c.train.num_workers, c.train.prefetch, cuda, sampler=planned
+        )
 
-    def _record(self, epoch: int, result: dict[str, Any], seconds: float, wait: float) -> None:
+    def _record(
+        self, epoch: int, result: dict[str, Any], seconds: float, wait: float, timed: bool
+    ) -> None:
         """Count a finished step into the run's state (checkpointed, so resumes continue it)."""
         s = self.state
         s.step_in_epoch += 1
@@ -282,6 +296,10 @@ class Trainer:
         s.data_wait_s += wait
         s.real_tokens += result["real_tokens"]
         s.padded_tokens += result["padded_tokens"]
+        if timed:
+            s.timed_s += seconds
+            s.timed_real_tokens += result["real_tokens"]
+            s.timed_padded_tokens += result["padded_tokens"]
         if result["finite"]:
             s.epoch_loss.append((epoch, result["loss"], result["weight"]))
 
@@ -335,8 +353,7 @@ class Trainer:
             "final_accuracy": last_row.get("accuracy", float("nan")),
             "final_simulated_tau": last_row.get("simulated_tau", float("nan")),
             "simulated_tau_cost": tau_seconds / max(s.elapsed_s, 1e-9),
-            "tokens_per_s": s.real_tokens / max(s.elapsed_s, 1e-9),
-            "padded_tokens_per_s": s.padded_tokens / max(s.elapsed_s, 1e-9),
+            **throughput(s),
             "padding_efficiency": s.real_tokens / max(s.padded_tokens, 1),
             "data_wait_fraction": s.data_wait_s / max(s.elapsed_s, 1e-9),
             "steps": s.global_step,
@@ -346,6 +363,18 @@ class Trainer:
             "train_seconds": s.elapsed_s,
             "flex_compiles": flex_compiles(),
         }
+
+
+def throughput(s: TrainState) -> dict[str, float]:
+    """Tokens per second past warm-up; over every step when the run was all warm-up."""
+    if s.timed_s > 0:
+        seconds, real, padded = s.timed_s, s.timed_real_tokens, s.timed_padded_tokens
+    else:
+        seconds, real, padded = s.elapsed_s, s.real_tokens, s.padded_tokens
+    return {
+        "tokens_per_s": real / max(seconds, 1e-9),
+        "padded_tokens_per_s": padded / max(seconds, 1e-9),
+    }
 
 
 class _Window:

@@ -50,6 +50,22 @@ def heldout_prompts(path: Path, tokenizer, budget: int, options: dict) -> list[l
     return prompts
 
 
+def through_first_stop(tokens: list[int], stops: set[int]) -> list[int]:
+    """``tokens`` up to and including the first stop token: what a stopping decode returns."""
+    end = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
+    return tokens[:end]
+
+
+def answer(target: nn.Module, prompt: list[int], stops: set[int]) -> list[int]:
+    """The target's greedy answer to ``prompt``, ``NEW_TOKENS`` forwards on every rank.
+
+    A sharded target gathers its layers in every forward, so each rank must run the same
+    number of them: decoding runs the whole budget and is cut at the first stop afterwards,
+    rather than stopping on a token that one rank might see and another not.
+    """
+    return through_first_stop(greedy_generate(target, prompt, NEW_TOKENS), stops)
+
+
 def pack(prompts: list[list[int]], answers: list[list[int]], device) -> dict[str, Tensor]:
     """One row of documents ``prompt + answer``; the loss mask covers the answers."""
     ids, docs, positions, answer = [], [], [], []
@@ -71,8 +87,8 @@ def capture(
     if not prompts:
         return None
     device = target.get_input_embeddings().weight.device
-    stops = stop_token_ids(tokenizer)
-    answers = [greedy_generate(target, p, NEW_TOKENS, stops) for p in prompts]
+    stops = set(stop_token_ids(tokenizer))
+    answers = [answer(target, p, stops) for p in prompts]
     row = pack(prompts, answers, device)
     ids, docs, pos = row["input_ids"], row["document_ids"], row["position_ids"]
     with torch.no_grad(), autocast:

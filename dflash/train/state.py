@@ -61,6 +61,10 @@ class TrainState:
     data_wait_s: float = 0.0
     real_tokens: int = 0
     padded_tokens: int = 0
+    timed_s: float = 0.0
+    """Seconds of the steps past each process's warm-up (``dflash.train.clock``)."""
+    timed_real_tokens: int = 0
+    timed_padded_tokens: int = 0
     epoch_loss: list[tuple[int, float, float]] = field(default_factory=list)
     """``(epoch, loss, weight)`` of every finite step, for the final loss."""
     rows: list[dict[str, Any]] = field(default_factory=list)
