@@ -85,7 +85,7 @@ def from_rank_zero(ctx: Dist, compute: Callable[[], T]) -> T:
     value = compute() if ctx.is_main else None
     if ctx.enabled:
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=ctx.group)  # global rank 0: drafter rank 0
         value = box[0]
     return value
 
