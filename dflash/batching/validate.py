@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash.batching import io
+from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.metrics import epoch_metrics, structure
 
@@ -34,13 +35,14 @@ def validate_plans(plans_dir: str | Path, lengths: np.ndarray) -> dict[str, Any]
         f"summary lists {len(summary['epochs'])} epochs, meta says {meta['epochs']}",
     )
     previous = None
+    cost = CostModel(**meta["cost"]) if "cost" in meta else BY_PADDED_TOKENS
     for epoch in range(meta["epochs"]):
         path = io.epoch_path(plans_dir, epoch)
         _require(path.exists(), f"{path} is missing")
         table, file_meta = io.read_epoch(path)
         _require(file_meta == meta, f"{path}: its meta differs from summary.json's")
         check_epoch(table, lengths, meta, epoch)
-        figures, previous = epoch_metrics(table, lengths.size, previous)
+        figures, previous = epoch_metrics(table, lengths.size, previous, cost)
         _check_figures(figures, summary["epochs"][epoch], f"epoch {epoch}")
         if meta["strategy"] == "sorted" and epoch > 0:
             _require(
