@@ -47,5 +47,7 @@ def test_evaluate_refuses_a_stale_drafter_with_exit_2(tmp_path, monkeypatch, cap
 def test_report_flags_a_stale_drafter_loudly(tmp_path):
     root = workspace(tmp_path, {"steps": 3, "drafter_sha256": "0" * 64})
     text = render_report(root).splitlines()
-    assert text[1].startswith("!!! models/drafter is not the drafter") and text[1].endswith("!!!")
+    end = next(i for i, line in enumerate(text) if line.endswith("!!!"))
+    assert text[1].startswith("!!! models/drafter is not the drafter") and end >= 1
+    assert all(len(line) <= 80 for line in text[1 : end + 1])  # wrapped, still one banner
     assert "!!!" not in render_report(workspace(tmp_path / "fresh", {"steps": 3}))
