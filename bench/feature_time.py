@@ -34,45 +34,41 @@ from dflash.model.layer_ids import target_layer_ids
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def default_shape() -> dict:
+    """The default target's sizes from ``params.yaml``, as config keywords."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    t = params["target"]
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    return {k: t[k] for k in (*keys, "num_key_value_heads")} | {
+        "vocab_size": params["tokenizer"]["vocab_size"]
+    }
+
+
 def default_target(window: int | None) -> Qwen3ForCausalLM:
     """A random Qwen3 of the default target's shape; with ``window``, every other layer slides."""
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    t, layers = params["target"], params["target"]["num_hidden_layers"]
+    shape = default_shape()
+    layers = shape["num_hidden_layers"]
     extra = {}
     if window is not None:
         kinds = (["sliding_attention", "full_attention"] * layers)[:layers]
         extra = {"use_sliding_window": True, "sliding_window": window, "layer_types": kinds}
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=params["tokenizer"]["vocab_size"],
-        hidden_size=t["hidden_size"],
-        intermediate_size=t["intermediate_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=t["num_attention_heads"],
-        num_key_value_heads=t["num_key_value_heads"],
-        **extra,
-    )
+    config = Qwen3Config(**shape, **extra)
     return Qwen3ForCausalLM(config).eval()
 
 
 def hybrid_target() -> Qwen3NextForCausalLM:
     """A random Qwen3-Next of the default target's shape: gated delta-net layers, every fourth
     one full attention, dense MLPs."""
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    t, layers = params["target"], params["target"]["num_hidden_layers"]
-    head = t["hidden_size"] // t["num_attention_heads"]
+    shape = default_shape()
+    layers, head = shape["num_hidden_layers"], shape["hidden_size"] // shape["num_attention_heads"]
     torch.manual_seed(0)
     config = Qwen3NextConfig(
-        vocab_size=params["tokenizer"]["vocab_size"],
-        hidden_size=t["hidden_size"],
-        intermediate_size=t["intermediate_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=t["num_attention_heads"],
-        num_key_value_heads=t["num_key_value_heads"],
+        **shape,
         head_dim=head,
         layer_types=[("full" if i % 4 == 3 else "linear") + "_attention" for i in range(layers)],
-        linear_num_key_heads=t["num_key_value_heads"],
-        linear_num_value_heads=t["num_attention_heads"],
+        linear_num_key_heads=shape["num_key_value_heads"],
+        linear_num_value_heads=shape["num_attention_heads"],
         linear_key_head_dim=head,
         linear_value_head_dim=head,
         mlp_only_layers=list(range(layers)),

@@ -137,26 +137,14 @@ class StepDataset(torch.utils.data.Dataset):
         steps: list[list[list[Row]]],
         *,
         first_step: int,
-        block_size: int,
-        anchors_per_sequence: int,
-        gamma: float,
-        seed: int,
         epoch: int,
-        flex: bool = False,
-        windows: tuple[int, ...] = (),
+        **build,
     ) -> None:
+        """``build``: :class:`StepBuilder`'s keywords (block size, anchors, gamma, seed, ...)."""
         self.steps = steps
         self.first_step = first_step
         self.epoch = epoch
-        self.builder = StepBuilder(
-            store,
-            block_size=block_size,
-            anchors_per_sequence=anchors_per_sequence,
-            gamma=gamma,
-            seed=seed,
-            flex=flex,
-            windows=windows,
-        )
+        self.builder = StepBuilder(store, **build)
 
     def __len__(self) -> int:
         return len(self.steps) - self.first_step
