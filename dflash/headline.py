@@ -24,6 +24,8 @@ TRAIN = (
     "final_loss",
     "loss_spikes",
     "grad_norm_cv",
+    "target_idle_fraction",
+    "drafter_wait_fraction",
 )
 EVAL = (
     "acceptance_length",
