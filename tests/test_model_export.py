@@ -18,7 +18,13 @@ from transformers import AutoModel, Qwen3Config
 from dflash.data.tokenizer import train_tokenizer
 from dflash.model.card import model_card
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.export import export_drafter, export_dtype, loader_notes
+from dflash.model.export import (
+    config_json,
+    export_drafter,
+    export_dtype,
+    loader_notes,
+    read_config,
+)
 from dflash.model.generate import greedy_generate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "zlab_qwen3_8b_dflash_b16_config.json"
@@ -69,6 +75,15 @@ def test_weights_are_saved_in_the_dtype_the_target_runs_in(tmp_path):
     assert loaded.fc.weight.dtype == torch.float32  # trained and run in fp32, as before
 
 
+def test_config_reads_back_as_built_and_refuses_missing_keys(target):
+    drafter = drafter_for(target)
+    data = config_json(drafter.config, target.config)
+    assert read_config(data) == drafter.config
+    del data["head_dim"], data["dflash_config"]["target_layer_ids"]
+    with pytest.raises(ValueError, match=r"lacks \['head_dim', 'target_layer_ids'\]"):
+        read_config(data)
+
+
 def test_export_names_the_loaders_that_need_target_layer_ids(target, tmp_path, capsys):
     export_drafter(drafter_for(target, layers=1, features=3), tmp_path / "a", target.config)
     assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().out
@@ -113,6 +128,9 @@ def test_export_loads_through_automodel_and_decodes_losslessly(target, tmp_path,
         tmp_path / "drafter", trust_remote_code=True, local_files_only=True
     ).eval()
     assert type(model).__name__ == "DFlashDraftModel"
+    # One definition: the shipped config class, as AutoConfig loads it, is the trainer's.
+    assert type(model.config).__name__ == type(drafter.config).__name__
+    assert config_json(model.config, target.config) == config_json(drafter.config, target.config)
     ours = dict(drafter.state_dict())
     assert ours.keys() == dict(model.state_dict()).keys()
     # The same hidden states as the trainer's drafter, so the same drafts.
@@ -149,7 +167,7 @@ def test_export_dtype_auto_is_the_dtype_the_target_config_serves_in(tmp_path):
 
 
 def test_model_card_says_how_to_serve_and_what_trained_it(target):
-    config = drafter_for(target).config.to_dict(target.config, torch.bfloat16)
+    config = config_json(drafter_for(target).config, target.config, torch.bfloat16)
     params = {"drafter": {"block_size": 4}, "train": {"lr": 0.003}}
     training = {"final_loss": 0.77, "steps": 462, "train_seconds": 61.5, "tokens_per_s": 9e3}
     card = model_card(config, "Qwen/Qwen3-8B", params, training)
@@ -183,7 +201,7 @@ def test_the_cards_snippet_runs_from_a_fresh_export(tmp_path, hub_modules, monke
         target, block_size=4, num_hidden_layers=1, num_target_features=3,
         mask_token_id=tokenizer.mask_token_id,
     )  # fmt: skip
-    config = drafter.config.to_dict(target.config, torch.float32)
+    config = config_json(drafter.config, target.config, torch.float32)
     params = {"data": {"source": "my/chats.jsonl"}, "drafter": {"block_size": 4}}
     card = model_card(config, "models/target", params, {"final_loss": 1.0})
     assert "`my/chats.jsonl` (`data.source`)" in card and "source: my/chats.jsonl" in card

@@ -1,16 +1,16 @@
-"""The DFlash drafter: a few bidirectional layers that denoise a whole block at once.
+"""The DFlash drafter as it trains: the shipped definition plus its training attention.
 
 The drafter borrows the target's embedding and LM head (frozen, never saved with it) and is
 conditioned on target features by *KV injection*: in every layer the keys and values are the
 fused context features followed by the block tokens, through the same ``k_proj``/``v_proj``.
-Queries come from the block only. Sizes mirror the target's, so the checkpoint layout matches
-the public DFlash inference code (``config.json`` + ``model.safetensors``).
+Queries come from the block only. Its config, layers, rope and weight names are those of
+:mod:`dflash.model.remote`, the file every export ships; here the attention applies the training
+rule (:mod:`dflash.model.attention`) and keeps a context cache for generation.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -26,11 +26,9 @@ from torch.utils.checkpoint import checkpoint
 from dflash import paths
 from dflash.model import remote
 from dflash.model.attention import AnchorBlocks, BlockMask, attend
-from dflash.model.export import serving_keys
+from dflash.model.export import config_json, read_config
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
-
-INIT_STD = 0.02
-"""Normal init of every projection, as Qwen3's ``initializer_range``."""
+from dflash.model.remote import Attention, DFlashDraftConfig, DraftModules, Layer, rope, rope_theta
 
 
 def drafter_autocast(device: torch.device) -> contextlib.AbstractContextManager:
@@ -38,80 +36,6 @@ def drafter_autocast(device: torch.device) -> contextlib.AbstractContextManager:
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-@dataclass(frozen=True)
-class DFlashConfig:
-    block_size: int
-    num_hidden_layers: int
-    num_target_layers: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    vocab_size: int
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    mask_token: str | None = None
-    """The mask token's string: SGLang looks it up by name and assumes ``<|MASK|>`` without it."""
-
-    def to_dict(self, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
-        """The Hugging Face style ``config.json`` of docs/design.md, plus what serving stacks read.
-
-        The constant Qwen3 keys let the public DFlash inference code read it as a Qwen3 config;
-        the parameter names in ``model.safetensors`` follow that code's layout too. Given the
-        target's config and the weights' dtype it also carries what vLLM and SGLang size the
-        draft by (:func:`dflash.model.export.serving_keys`).
-        """
-        fields = dataclasses.asdict(self)
-        dflash = {k: fields.pop(k) for k in ("mask_token_id", "target_layer_ids", "mask_token")}
-        if dflash["mask_token"] is None:
-            del dflash["mask_token"]
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_act": "silu",
-            "attention_bias": False,
-            **fields,
-            **serving_keys(self, target_config, dtype),
-            "dflash_config": dflash,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> DFlashConfig:
-        """Read back our own fields; serving-only keys are ignored."""
-        fields = dataclasses.fields(cls)
-        names = {f.name for f in fields}
-        flat = {k: v for k, v in data.items() if k in names}
-        flat.update({k: v for k, v in data.get("dflash_config", {}).items() if k in names})
-        missing = {f.name for f in fields if f.default is dataclasses.MISSING} - flat.keys()
-        if missing:
-            raise ValueError(f"drafter config.json lacks {sorted(missing)}")
-        return cls(**flat)
-
-
-def _rope_theta(config) -> float:
-    """transformers 5 keeps the base in ``rope_parameters``; 4.x in ``rope_theta``."""
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
-def rotary(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin ``[B, L, head_dim]`` of absolute positions (the Qwen / Llama layout)."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
-    angles = positions[..., None].float() * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x [B, H, L, d]``; cos/sin broadcast over heads."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
 class ContextCache:
@@ -132,26 +56,9 @@ class ContextCache:
         return k, v
 
 
-class DFlashAttention(nn.Module):
-    def __init__(self, config: DFlashConfig, layer: int) -> None:
-        super().__init__()
-        self.layer, self.config = layer, config
-        d, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
-        self.q_proj = nn.Linear(config.hidden_size, heads * d, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(heads * d, config.hidden_size, bias=False)
-        self.q_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
-
-    def _heads(self, x: Tensor, n: int) -> Tensor:
-        return x.view(*x.shape[:2], n, self.config.head_dim)
-
-    def _keys_values(self, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        n = self.config.num_key_value_heads
-        k = self._heads(self.k_proj(x), n)
-        k = apply_rotary(self.k_norm(k).to(k.dtype).transpose(1, 2), *rope)
-        return k, self._heads(self.v_proj(x), n).transpose(1, 2)
+class TrainingAttention(Attention):
+    """The shipped attention under the training rule: context and block keys stay apart, so
+    many blocks share one row's context, and generation can cache the context's."""
 
     def forward(
         self,
@@ -162,47 +69,17 @@ class DFlashAttention(nn.Module):
         mask: AnchorBlocks | BlockMask | Tensor | None,
         cache: ContextCache | None,
     ) -> Tensor:
-        q = self._heads(self.q_proj(x), self.config.num_attention_heads)
-        q = apply_rotary(self.q_norm(q).to(q.dtype).transpose(1, 2), *rope_block)
-        block = self._keys_values(x, rope_block)
-        context_kv = self._keys_values(context, rope_context)
+        q = self.queries(x, *rope_block)
+        block = self.keys_values(x, *rope_block)
+        context_kv = self.keys_values(context, *rope_context)
         if cache is not None:
             context_kv = cache.extend(self.layer, *context_kv)
-        out = attend(q, context_kv, block, mask, scale=self.config.head_dim**-0.5)
+        out = attend(q, context_kv, block, mask, scale=self.d**-0.5)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
-class SwiGLU(nn.Module):
-    def __init__(self, config: DFlashConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DFlashLayer(nn.Module):
-    def __init__(self, config: DFlashConfig, layer: int) -> None:
-        super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = DFlashAttention(config, layer)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = SwiGLU(config)
-
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor,
-        rope_block: tuple[Tensor, Tensor],
-        rope_context: tuple[Tensor, Tensor],
-        mask: AnchorBlocks | BlockMask | Tensor | None,
-        cache: ContextCache | None,
-    ) -> Tensor:
-        attn_in = self.input_layernorm(x)
-        x = x + self.self_attn(attn_in, context, rope_block, rope_context, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+class TrainingLayer(Layer):
+    attention = TrainingAttention
 
 
 @dataclass(frozen=True)
@@ -215,22 +92,20 @@ class Borrowed:
     lm_head: nn.Module
 
 
-class DFlashDrafter(nn.Module):
-    def __init__(self, config: DFlashConfig, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+class DFlashDrafter(DraftModules, nn.Module):
+    def __init__(
+        self, config: DFlashDraftConfig, embed_tokens: nn.Module, lm_head: nn.Module
+    ) -> None:
         super().__init__()
         self.config = config
         self.borrowed = Borrowed(embed_tokens, lm_head)
-        n, hidden = len(config.target_layer_ids), config.hidden_size
-        self.fc = nn.Linear(n * hidden, hidden, bias=False)
-        self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.build_draft(config, TrainingLayer)
         self.recompute = False
         """Recompute each layer's activations in backward instead of keeping them
         (``train.recompute``): less memory per token for one more forward of the layers."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=INIT_STD)
+                nn.init.normal_(module.weight, std=config.initializer_range)
 
     @classmethod
     def from_target(
@@ -251,12 +126,16 @@ class DFlashDrafter(nn.Module):
         """
         tc = target.config
         heads = tc.num_attention_heads
-        config = DFlashConfig(
+        dflash = {
+            "mask_token_id": mask_token_id,
+            "target_layer_ids": spread_layer_ids(tc.num_hidden_layers, num_target_features),
+        }
+        if mask_token is not None:
+            dflash["mask_token"] = mask_token
+        config = DFlashDraftConfig(
             block_size=block_size,
             num_hidden_layers=num_hidden_layers,
             num_target_layers=tc.num_hidden_layers,
-            target_layer_ids=spread_layer_ids(tc.num_hidden_layers, num_target_features),
-            mask_token_id=mask_token_id,
             vocab_size=target.get_input_embeddings().weight.shape[0],
             hidden_size=tc.hidden_size,
             num_attention_heads=heads,
@@ -264,15 +143,15 @@ class DFlashDrafter(nn.Module):
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
             intermediate_size=tc.intermediate_size,
             rms_norm_eps=tc.rms_norm_eps,
-            rope_theta=_rope_theta(tc),
-            mask_token=mask_token,
+            rope_theta=rope_theta(tc),
+            dflash_config=dflash,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return cls._attach(config, target)
 
     @classmethod
-    def _attach(cls, config: DFlashConfig, target: nn.Module) -> DFlashDrafter:
+    def _attach(cls, config: DFlashDraftConfig, target: nn.Module) -> DFlashDrafter:
         if config.block_size < 2:
             raise ValueError(f"block_size = {config.block_size}: a block needs at least 2 slots")
         vocab, hidden = target.get_input_embeddings().weight.shape
@@ -310,7 +189,7 @@ class DFlashDrafter(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.borrowed.embed_tokens.weight.dtype
-        config = self.config.to_dict(target_config, dtype)
+        config = config_json(self.config, target_config, dtype)
         (directory / paths.DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         weights = self.state_dict() if weights is None else weights
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
@@ -320,7 +199,7 @@ class DFlashDrafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: nn.Module) -> DFlashDrafter:
         directory = Path(directory)
-        config = DFlashConfig.from_dict(json.loads((directory / paths.DRAFTER_CONFIG).read_text()))
+        config = read_config(json.loads((directory / paths.DRAFTER_CONFIG).read_text()))
         drafter = cls._attach(config, target)
         # copied into fp32 parameters, as in training, whatever dtype the file holds
         drafter.load_state_dict(load_file(directory / paths.DRAFTER_WEIGHTS), strict=True)
@@ -360,9 +239,9 @@ class DFlashDrafter(nn.Module):
         """
         c = self.config
         x = self.embed(block_ids)
-        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
-        rope_block = rotary(block_positions, c.head_dim, c.rope_theta)
-        rope_context = rotary(context_positions, c.head_dim, c.rope_theta)
+        context = self.fuse(features)
+        rope_block = rope(block_positions, c.head_dim, c.theta)
+        rope_context = rope(context_positions, c.head_dim, c.theta)
         for layer in self.layers:
             args = (x, context, rope_block, rope_context, mask, cache)
             if self.recompute and torch.is_grad_enabled():

@@ -26,9 +26,23 @@ from dflash.fileio import atomic_dir
 from dflash.model import remote
 from dflash.model.card import model_card
 from dflash.model.load import resolve_target_path
+from dflash.model.remote import DFlashDraftConfig
 
-INIT_RANGE = 0.02
-"""Qwen3's ``initializer_range``; the drafter's projections are initialised with it."""
+DRAFTER_KEYS = (
+    "block_size",
+    "num_hidden_layers",
+    "num_target_layers",
+    "vocab_size",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+)
+"""The drafter's own top-level ``config.json`` keys besides ``rope_theta``, in written order."""
+DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "mask_token")
+"""The keys under ``dflash_config``; ``mask_token`` only where the run names one."""
 DEFAULT_MAX_POSITIONS = 32768
 """Rope cache size SGLang assumes when ``max_position_embeddings`` is missing."""
 
@@ -54,13 +68,49 @@ def rope_keys(target_config: Any, theta: float) -> dict:
     return {"rope_theta": theta, "rope_scaling": scaling, "rope_parameters": params}
 
 
+def config_json(
+    config: DFlashDraftConfig, target_config: Any = None, dtype: torch.dtype | None = None
+) -> dict:
+    """The Hugging Face style ``config.json`` of docs/design.md, plus what serving stacks read.
+
+    The constant Qwen3 keys let the public DFlash inference code read it as a Qwen3 config;
+    the parameter names in ``model.safetensors`` follow that code's layout too. Given the
+    target's config and the weights' dtype it also carries what vLLM and SGLang size the
+    draft by (:func:`serving_keys`).
+    """
+    return {
+        "architectures": [remote.DFlashDraftModel.__name__],
+        "model_type": "qwen3",
+        "hidden_act": "silu",
+        "attention_bias": False,
+        **{key: getattr(config, key) for key in DRAFTER_KEYS},
+        "rope_theta": config.theta,
+        **serving_keys(config, target_config, dtype),
+        "dflash_config": {key: config.dflash[key] for key in DFLASH_KEYS if key in config.dflash},
+    }
+
+
+def read_config(data: dict) -> DFlashDraftConfig:
+    """The config a drafter was built with, from its ``config.json``; serving keys are left out."""
+    dflash = data.get("dflash_config", {})
+    missing = [key for key in (*DRAFTER_KEYS, "rope_theta") if key not in data]
+    missing += [key for key in DFLASH_KEYS[:2] if key not in dflash]
+    if missing:
+        raise ValueError(f"drafter config.json lacks {sorted(missing)}")
+    return DFlashDraftConfig(
+        **{key: data[key] for key in DRAFTER_KEYS},
+        rope_theta=data["rope_theta"],
+        dflash_config={key: dflash[key] for key in DFLASH_KEYS if dflash.get(key) is not None},
+    )
+
+
 def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
-    """The keys of a ``DFlashConfig``'s ``config.json`` beyond docs/design.md's, for serving."""
+    """The keys of a drafter's ``config.json`` beyond docs/design.md's, for serving."""
     n = config.num_hidden_layers
     max_positions = getattr(target_config, "max_position_embeddings", None)
     return {
         "max_position_embeddings": max_positions or DEFAULT_MAX_POSITIONS,
-        **rope_keys(target_config, config.rope_theta),
+        **rope_keys(target_config, config.theta),
         "torch_dtype": _dtype_name(dtype),
         "dtype": _dtype_name(dtype),
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
@@ -70,7 +120,7 @@ def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | No
         "sliding_window": None,
         "max_window_layers": n,
         "attention_dropout": 0.0,
-        "initializer_range": INIT_RANGE,
+        "initializer_range": config.initializer_range,
         "tie_word_embeddings": False,
         "use_cache": True,
         **{
@@ -109,7 +159,7 @@ def export_run(
     ``training``'s figures; ``weights`` as for ``export_drafter``."""
     dtype = export_dtype(config.export.dtype) or drafter.borrowed.embed_tokens.weight.dtype
     card = model_card(
-        drafter.config.to_dict(target_config, dtype),
+        config_json(drafter.config, target_config, dtype),
         resolve_target_path(paths.TARGET),
         declared_params(config),
         training,

@@ -1,11 +1,11 @@
-"""The DFlash draft model as a Hugging Face remote-code file, shipped in every export.
+"""The DFlash drafter's one definition, shipped in every export as a remote-code file.
 
-The export copies this file as ``dflash.py`` and points ``auto_map`` at it, so ``AutoModel``
-with ``trust_remote_code=True`` (z-lab's documented path) loads the drafter without this
-project installed. It imports torch, transformers and the standard library only. The
-parameter names are those of ``dflash.model.drafter`` and of z-lab's reference, so the same
-``model.safetensors`` loads here with nothing missing or left over. Rope is plain rope with
-``rope_theta``, as the trainer's drafter uses.
+Its config, layers and rope are the drafter's: the trainer's ``dflash.model.drafter`` builds
+on them and adds only its training attention. The export copies this file as ``dflash.py``
+and points ``auto_map`` at it, so ``AutoModel`` with ``trust_remote_code=True`` (z-lab's
+documented path) loads the drafter without this project installed; it therefore imports
+torch, transformers and the standard library only. The parameter names are z-lab's
+reference's, so the same ``model.safetensors`` loads there, here and in the trainer.
 """
 
 from __future__ import annotations
@@ -18,21 +18,44 @@ from torch import Tensor, nn
 from transformers import DynamicCache, PreTrainedModel, Qwen3Config
 
 
+def rope_theta(config) -> float:
+    """transformers 5 keeps the base in ``rope_parameters``; 4.x in ``rope_theta``."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
 class DFlashDraftConfig(Qwen3Config):
-    """A Qwen3 config (what vLLM, SGLang and z-lab read) that also names the DFlash keys."""
+    """A Qwen3 config (what vLLM, SGLang and z-lab read) that also names the DFlash keys:
+    ``block_size`` and ``num_target_layers`` at the top, the rest under ``dflash_config``.
+
+    Its ``initializer_range`` (Qwen3's) is the std of the drafter's initial projections.
+    """
 
     @property
     def dflash(self) -> dict:
         return getattr(self, "dflash_config", None) or {}
 
     @property
+    def target_layer_ids(self) -> list[int]:
+        """The target layers whose outputs are fused into the context (0 is the first layer)."""
+        return list(self.dflash["target_layer_ids"])
+
+    @property
+    def mask_token_id(self) -> int | None:
+        return self.dflash.get("mask_token_id")
+
+    @property
+    def mask_token(self) -> str | None:
+        """Its string: SGLang looks the mask token up by name, assuming ``<|MASK|>`` without it."""
+        return self.dflash.get("mask_token")
+
+    @property
     def theta(self) -> float:
-        params = getattr(self, "rope_parameters", None) or {}
-        return float(params.get("rope_theta", getattr(self, "rope_theta", 10000.0)))
+        return rope_theta(self)
 
 
 def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin ``[B, L, head_dim]`` of absolute positions, in float32."""
+    """cos and sin ``[B, L, head_dim]`` of absolute positions (the Qwen / Llama layout), in fp32."""
     inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=positions.device) / head_dim)
     angles = positions[..., None].float() * inv_freq
     angles = torch.cat([angles, angles], dim=-1)
@@ -40,17 +63,20 @@ def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor
 
 
 def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x [B, H, L, d]``; cos/sin broadcast over heads."""
     half = x.shape[-1] // 2
     turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos[:, None] + turned * sin[:, None]).to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Queries from the block; keys and values from the context features and the block."""
+    """Queries from the block; keys and values from the context features and the block, through
+    the same ``k_proj``/``v_proj`` (*KV injection*)."""
 
-    def __init__(self, config: DFlashDraftConfig) -> None:
+    def __init__(self, config: DFlashDraftConfig, layer: int) -> None:
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
+        self.layer = layer
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.d = d
         self.q_proj = nn.Linear(hidden, self.heads * d, bias=False)
@@ -63,14 +89,19 @@ class Attention(nn.Module):
     def split(self, x: Tensor, n: int) -> Tensor:
         return x.view(*x.shape[:2], n, self.d)
 
+    def queries(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q = self.split(self.q_proj(x), self.heads)
+        return rotate(self.q_norm(q).to(q.dtype).transpose(1, 2), cos, sin)
+
+    def keys_values(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        k = self.split(self.k_proj(x), self.kv_heads)
+        k = rotate(self.k_norm(k).to(k.dtype).transpose(1, 2), cos, sin)
+        return k, self.split(self.v_proj(x), self.kv_heads).transpose(1, 2)
+
     def forward(self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         q_len = x.shape[1]
-        both = torch.cat([context, x], dim=1)
-        q = self.split(self.q_proj(x), self.heads)
-        q = rotate(self.q_norm(q).to(q.dtype).transpose(1, 2), cos[:, -q_len:], sin[:, -q_len:])
-        k = self.split(self.k_proj(both), self.kv_heads)
-        k = rotate(self.k_norm(k).to(k.dtype).transpose(1, 2), cos, sin)
-        v = self.split(self.v_proj(both), self.kv_heads).transpose(1, 2)
+        q = self.queries(x, cos[:, -q_len:], sin[:, -q_len:])
+        k, v = self.keys_values(torch.cat([context, x], dim=1), cos, sin)
         groups = self.heads // self.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, scale=self.d**-0.5)
@@ -90,16 +121,36 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, config: DFlashDraftConfig) -> None:
+    """A pre-norm layer; ``attention`` is the class of its attention, whose inputs it passes on."""
+
+    attention = Attention
+
+    def __init__(self, config: DFlashDraftConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = self.attention(config, layer)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin)
+    def forward(self, x: Tensor, *attention_inputs) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *attention_inputs)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftModules:
+    """The drafter's own modules under the names ``model.safetensors`` holds, built in one order
+    so that a seeded drafter draws the same initial weights in both models."""
+
+    def build_draft(self, config: DFlashDraftConfig, layer: type[Layer] = Layer) -> None:
+        hidden = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+
+    def fuse(self, target_hidden: Tensor) -> Tensor:
+        """The context the layers attend to: the tapped target layers, projected and normed."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
 
 
 def pick(logits: Tensor, temperature: float) -> Tensor:
@@ -110,7 +161,7 @@ def pick(logits: Tensor, temperature: float) -> Tensor:
     return torch.multinomial(probs.flatten(0, -2), 1).view(probs.shape[:-1])
 
 
-class DFlashDraftModel(PreTrainedModel):
+class DFlashDraftModel(DraftModules, PreTrainedModel):
     """Drafts a block ``[last, MASK x (block_size - 1)]`` in one pass from target features.
 
     The target's embedding and LM head are not part of it: ``spec_generate`` borrows them.
@@ -122,14 +173,10 @@ class DFlashDraftModel(PreTrainedModel):
 
     def __init__(self, config: DFlashDraftConfig) -> None:
         super().__init__(config)
-        self.target_layer_ids = list(config.dflash["target_layer_ids"])
-        self.mask_token_id = config.dflash.get("mask_token_id")
+        self.target_layer_ids = config.target_layer_ids
+        self.mask_token_id = config.mask_token_id
         self.block_size = config.block_size
-        hidden = config.hidden_size
-        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.num_hidden_layers))
-        self.norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.build_draft(config)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -144,10 +191,9 @@ class DFlashDraftModel(PreTrainedModel):
         ``target_hidden`` ``[B, C, n*H]`` are the fused target layers' outputs of the context;
         ``position_ids`` ``[B, C + Q]`` the absolute positions of the context, then the block.
         """
-        dtype = self.fc.weight.dtype
-        context = self.hidden_norm(self.fc(target_hidden.to(dtype)))
+        context = self.fuse(target_hidden)
         cos, sin = rope(position_ids, self.config.head_dim, self.config.theta)
-        x = noise_embedding.to(dtype)
+        x = noise_embedding.to(self.fc.weight.dtype)
         for layer in self.layers:
             x = layer(x, context, cos, sin)
         return self.norm(x)
