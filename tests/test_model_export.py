@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import os
 import re
 import sys
@@ -69,9 +70,10 @@ def test_weights_are_saved_in_the_dtype_the_target_runs_in(tmp_path):
     assert loaded.fc.weight.dtype == torch.float32  # trained and run in fp32, as before
 
 
-def test_export_names_the_loaders_that_need_target_layer_ids(target, tmp_path, capsys):
+def test_export_names_the_loaders_that_need_target_layer_ids(target, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dflash")
     export_drafter(drafter_for(target, layers=1, features=3), tmp_path / "a", target.config)
-    assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().out
+    assert "eagle_aux_hidden_state_layer_ids" in caplog.text
     assert loader_notes(drafter_for(target, layers=2, features=2).config) == []
 
 

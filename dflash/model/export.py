@@ -15,6 +15,7 @@ without it. z-lab's documented ``AutoModel`` path with ``trust_remote_code=True`
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ from dflash.fileio import atomic_dir
 from dflash.model import remote
 from dflash.model.card import model_card
 from dflash.model.load import resolve_target_path
+
+logger = logging.getLogger(__name__)
 
 INIT_RANGE = 0.02
 """Qwen3's ``initializer_range``; the drafter's projections are initialised with it."""
@@ -148,4 +151,4 @@ def export_drafter(
         if card is not None:
             (tmp / paths.DRAFTER_CARD).write_text(card)
     for note in loader_notes(drafter.config):
-        print(f"[export] {out}: {note}")
+        logger.info(f"{out}: {note}")
