@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from dflash import logs
 from dflash.config import Config
 from dflash.declaration import restrict, stages
 from dflash.errors import ConfigError, OutputError, UserError
@@ -61,7 +62,8 @@ def resolve(stage: str):
 
 
 def run_stage(stage: str, config: Config) -> int:
-    """Run ``stage`` on the params it declares, and on those only."""
+    """Run ``stage`` on the params it declares, and on those only; its log lines name it."""
+    logs.setup(stage)
     declared = stages()[stage]
     result = resolve(stage)(restrict(config, declared.params + declared.knobs))
     return int(result or 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import os
 import re
 import sys
@@ -84,9 +85,10 @@ def test_config_reads_back_as_built_and_refuses_missing_keys(target):
         read_config(data)
 
 
-def test_export_names_the_loaders_that_need_target_layer_ids(target, tmp_path, capsys):
+def test_export_names_the_loaders_that_need_target_layer_ids(target, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="dflash")
     export_drafter(drafter_for(target, layers=1, features=3), tmp_path / "a", target.config)
-    assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().out
+    assert "eagle_aux_hidden_state_layer_ids" in caplog.text
     assert loader_notes(drafter_for(target, layers=2, features=2).config) == []
 
 

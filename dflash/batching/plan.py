@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -31,6 +32,8 @@ from dflash.batching.validate import validate_plans
 from dflash.config import Config
 from dflash.fileio import atomic_dir, require_only, write_json_atomic
 from dflash.params import at_least
+
+logger = logging.getLogger(__name__)
 
 
 def plan_epoch(lengths: np.ndarray, params: PlanParams, epoch: int) -> pa.Table:
@@ -147,7 +150,7 @@ def run(config: Config) -> None:
     # The plan's figures as a DVC metrics file (outside ``data/plans``, which is an out).
     figures = {k: v for k, v in summary.items() if k != "meta"}
     write_json_atomic(paths.PLAN_METRICS, figures)
-    print(f"[plan] {_headline(summary)}")
+    logger.info(_headline(summary))
 
 
 def _headline(summary: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from dflash.params import at_least
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+
+logger = logging.getLogger(__name__)
 
 QUANTILES = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99)
 HISTOGRAM_BINS = 64
@@ -142,7 +145,7 @@ def run(config: Config) -> None:
         seed=b.seed,
     )
     report = write_stats(lengths, b.num_buckets, params, paths.STATS)
-    print("[stats] " + _headline(report))
+    logger.info(_headline(report))
 
 
 def _headline(report: dict[str, Any]) -> str:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -31,6 +31,8 @@ from dflash.data.records import BOM, REASONS, RecordError, content_digest, decod
 from dflash.errors import ConfigError
 from dflash.fileio import atomic_dir, not_a_file, write_json_atomic
 from dflash.params import outside
+
+logger = logging.getLogger(__name__)
 
 FIRST_LINES = 5
 """How many line numbers the report keeps per reason: enough to go and look."""
@@ -279,11 +281,10 @@ def run(config: Config) -> int:
                 raise NoConversationsError(report)
             write_json_atomic(out / paths.INGEST_REPORT.name, report)
     except NoConversationsError as err:
-        print(f"ingest: {err}; nothing written. Report:", file=sys.stderr)
-        print(json.dumps(err.report, indent=2), file=sys.stderr)
+        logger.error(f"{err}; nothing written. Report:\n{json.dumps(err.report, indent=2)}")
         return 1
-    print(
-        f"ingest {source}: read {report['records_read']}, train {report['kept']['train']}, "
+    logger.info(
+        f"{source}: read {report['records_read']}, train {report['kept']['train']}, "
         f"heldout {report['kept']['heldout']}, skipped {report['skipped_total']}, "
         f"duplicates {report['duplicates_removed']['count']}, "
         f"left out by max_conversations {report['left_out_by_max_conversations']}"

@@ -22,6 +22,7 @@ with the previous output left in place.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import time
@@ -50,6 +51,8 @@ from dflash.headline import write_metrics
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
+
+logger = logging.getLogger(__name__)
 
 COUNTS = (
     "turns",
@@ -422,9 +425,9 @@ def run(config: Config) -> None:
     report = regenerate(config) if config.data.regenerate else copy_conversations()
     write_metrics(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT, report, headline.REGENERATE)
     if report["skipped"]:
-        print(f"regenerate: skipped, copied {report['conversations']} conversations")
+        logger.info(f"skipped, copied {report['conversations']} conversations")
     else:
-        print(
-            f"regenerate: {report['turns_regenerated']} turns of {report['conversations']} "
+        logger.info(
+            f"{report['turns_regenerated']} turns of {report['conversations']} "
             f"conversations, {report['tokens_generated']} tokens"
         )

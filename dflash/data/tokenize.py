@@ -16,9 +16,9 @@ that keeps no sample fails with the report.
 from __future__ import annotations
 
 import json
+import logging
 import multiprocessing
 import os
-import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -38,6 +38,8 @@ from dflash.data.store import TokenStore, TokenStoreWriter
 from dflash.data.tokenizer import load_tokenizer, tokenizer_hash
 from dflash.fileio import atomic_dir, write_json_atomic
 from dflash.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 DROP_REASONS = ("overlength", "too_few_loss_tokens")
 CHUNKS_IN_FLIGHT = 2
@@ -303,11 +305,12 @@ def run(config: Config) -> int:
                 raise NoSamplesError(report)
             write_json_atomic(out / paths.TOKENIZE_REPORT.name, report)
     except NoSamplesError as err:
-        print("tokenize: no training samples; nothing written. Report:", file=sys.stderr)
-        print(json.dumps(err.report, indent=2), file=sys.stderr)
+        logger.error(
+            f"no training samples; nothing written. Report:\n{json.dumps(err.report, indent=2)}"
+        )
         return 1
-    print(
-        f"tokenize: {manifest['n_samples']} samples, {manifest['n_tokens']} tokens "
+    logger.info(
+        f"{manifest['n_samples']} samples, {manifest['n_tokens']} tokens "
         f"({manifest['n_loss_tokens']} with loss), truncated {manifest['truncated']}, "
         f"dropped {manifest['dropped']}, assistant turns {manifest['assistant_turns']}, "
         f"special tokens in content {manifest['special_tokens_in_content']}"

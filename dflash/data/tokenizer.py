@@ -9,7 +9,7 @@ added token changes the vocabulary the target's embedding must cover.
 from __future__ import annotations
 
 import json
-import sys
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -21,6 +21,8 @@ from dflash.config import Config
 from dflash.data.conversations import ROW_GROUP, iter_batches
 from dflash.fileio import atomic_dir, write_json_atomic
 from dflash.fingerprint import digest
+
+logger = logging.getLogger(__name__)
 
 MASK_TOKEN = "<|MASK|>"
 IM_START = "<|im_start|>"
@@ -106,7 +108,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerFast:
     if not tokenizer.is_fast:
         raise ValueError(f"tokenizer at {path} is not a fast tokenizer: offsets are needed")
     if tokenizer.mask_token is None and add_mask_token(tokenizer):
-        print(f"tokenizer at {path}: added special token {MASK_TOKEN}", file=sys.stderr)
+        logger.warning(f"tokenizer at {path}: added special token {MASK_TOKEN}")
     return tokenizer
 
 
@@ -164,7 +166,7 @@ def run(config: Config) -> None:
         tokenizer.save_pretrained(str(out))
         write_json_atomic(out / paths.TOKENIZER_INFO, info)
     mask = f"{tokenizer.mask_token} id {tokenizer.mask_token_id}"
-    print(f"tokenizer: {source}, {len(tokenizer)} tokens, mask {mask}")
+    logger.info(f"{source}, {len(tokenizer)} tokens, mask {mask}")
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

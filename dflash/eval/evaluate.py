@@ -12,6 +12,7 @@ rounding. Each set is broken down by strata (:mod:`dflash.eval.strata`).
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ from dflash.model.generate import (
 )
 from dflash.model.load import load_target
 from dflash.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 METHODS = ("dflash", "ngram", "untrained")
 NGRAM_MAX = 4
@@ -167,8 +170,8 @@ def run(config: Config) -> int:
     write_eval_outputs(metrics, decodes)
     for s, (m, _) in zip(sets, scored, strict=True):
         base = m["baselines"]
-        print(
-            f"[evaluate] {s.name}: τ = {m['acceptance_length']:.3f} per response "
+        logger.info(
+            f"{s.name}: τ = {m['acceptance_length']:.3f} per response "
             f"({m['acceptance_length_pooled']:.3f} pooled, {m['acceptance_length_zlab']:.3f} "
             f"z-lab's count) over {m['n_prompts']} prompts; n-gram "
             f"{base['ngram']['acceptance_length']:.3f}, untrained "

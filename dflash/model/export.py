@@ -15,6 +15,7 @@ without it. z-lab's documented ``AutoModel`` path with ``trust_remote_code=True`
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ from dflash.model import remote
 from dflash.model.card import model_card
 from dflash.model.load import resolve_target_path
 from dflash.model.remote import DFlashDraftConfig
+
+logger = logging.getLogger(__name__)
 
 DRAFTER_KEYS = (
     "block_size",
@@ -198,4 +201,4 @@ def export_drafter(
         if card is not None:
             (tmp / paths.DRAFTER_CARD).write_text(card)
     for note in loader_notes(drafter.config):
-        print(f"[export] {out}: {note}")
+        logger.info(f"{out}: {note}")

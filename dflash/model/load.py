@@ -9,8 +9,8 @@ rows of each weight, so no rank holds the whole target in host memory.
 from __future__ import annotations
 
 import json
+import logging
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from dflash import paths
 from dflash.fingerprint import digest, path_digest
+
+logger = logging.getLogger(__name__)
 
 
 def target_device_dtype() -> tuple[torch.device, torch.dtype]:
@@ -164,7 +166,7 @@ def load_target_shards(
     tensors = file_tensors(model).values()
     if files is None or not all(set(names) & files.keys() for names in tensors):
         why = "weights not all in safetensors files: each rank loads them whole, then shards"
-        print(f"[load] {directory}: {why}", file=sys.stderr)
+        logger.warning(f"{directory}: {why}")
         model = load_target(path_or_dir, device="cpu", dtype=dtype)
         shard(model)
         return model

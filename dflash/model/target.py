@@ -9,6 +9,7 @@ stages load the result through ``dflash.model.load``, which knows nothing of pre
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -31,6 +32,8 @@ from dflash.model.pretrain import (
     pretrain,
 )
 from dflash.threads import set_cpu_threads
+
+logger = logging.getLogger(__name__)
 
 REFERENCE_EVAL_ROWS = 64
 """Held-out rows of ``max_seq_len`` a referenced (possibly huge) target is scored on."""
@@ -86,7 +89,7 @@ def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None
     with atomic_dir(paths.TARGET) as tmp:
         write_json_atomic(tmp / paths.TARGET_REFERENCE, reference)
     write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, metrics, headline.TARGET)
-    print(f"target: reference to {reference['path']} ({model.config.model_type})")
+    logger.info(f"reference to {reference['path']} ({model.config.model_type})")
 
 
 def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -106,8 +109,8 @@ def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
     write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, metrics, headline.TARGET)
-    print(
-        f"target: {metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "
+    logger.info(
+        f"{metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "
         f"held-out perplexity {metrics.get('heldout_perplexity', float('nan')):.2f}"
     )
 

@@ -14,6 +14,7 @@ hold tensors and plain types only and are read without running pickled code
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ from dflash.fingerprint import digest, path_digest
 from dflash.model.load import target_digest
 from dflash.train.dcp_safe import SafeLoadPlanner, SafeReader
 from dflash.train.distributed import Dist, barrier
+
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
@@ -199,14 +202,14 @@ def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str) -> int | None:
     step, skipped = load_latest(paths.CHECKPOINTS, fingerprint, parts, ctx.group)
     if ctx.is_main:
         for reason in skipped:
-            print(f"[train] skipping checkpoint {reason}")
+            logger.info(f"skipping checkpoint {reason}")
     if step is None and any("unreadable (" in reason for reason in skipped):
         raise RuntimeError(
             "a checkpoint of this run passed its digest but could not be loaded, and loading "
             "may have changed the drafter in part; remove checkpoints/ to start fresh"
         )
     if ctx.is_main and step is None and list_checkpoints(paths.CHECKPOINTS):
-        print("[train] no checkpoint of this run: starting fresh, old ones removed")
+        logger.info("no checkpoint of this run: starting fresh, old ones removed")
         remove_checkpoints(paths.CHECKPOINTS)
     if ctx.is_main and step is not None:
         # Newer ones passed over (unfinished, corrupt, another run's) would otherwise be

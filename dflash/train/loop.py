@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import time
 from typing import Any
@@ -53,6 +54,8 @@ from dflash.train.simulated import SimulatedTau
 from dflash.train.state import TrainState
 from dflash.train.step import forward_backward
 from dflash.train.topology import Placement, feature_source
+
+logger = logging.getLogger(__name__)
 
 
 class TrainingError(RuntimeError):
@@ -135,9 +138,8 @@ class Trainer:
         }
         if checkpoint.resume(ctx, self.parts, self.fingerprint) is not None and ctx.is_main:
             s = self.state
-            print(
-                f"[train] resumed at epoch {s.epoch} step {s.step_in_epoch} "
-                f"(global step {s.global_step})"
+            logger.info(
+                f"resumed at epoch {s.epoch} step {s.step_in_epoch} (global step {s.global_step})"
             )
 
     def _load_target(self):
@@ -200,7 +202,7 @@ class Trainer:
             summary["drafter_sha256"] = path_digest(paths.DRAFTER)
             write_metrics(paths.TRAIN_METRICS, paths.TRAIN_DETAILS, summary, headline.TRAIN)
             monitor.finish(summary)
-            print(f"[train] done: {json.dumps(summary)}")
+            logger.info(f"done: {json.dumps(summary)}")
         barrier(self.ctx)
 
     def _run_epoch(self, epoch: int, monitor: Monitor | None) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,8 @@ from dflash.declaration import declared_params
 from dflash.fileio import write_text_atomic
 from dflash.live import open_live
 from dflash.train.stability import is_spike, stability
+
+logger = logging.getLogger(__name__)
 
 PLOT_COLUMNS = [
     "step",
@@ -78,7 +81,7 @@ class Monitor:
         losses.append(result["loss"])
         self.history["grad_norm"].append(result["grad_norm"])
         if is_spike(losses, len(losses) - 1):
-            print(f"[train] loss spike at step {len(losses)}: {losses[-1]:.3f}", flush=True)
+            logger.warning(f"loss spike at step {len(losses)}: {losses[-1]:.3f}")
 
     def stability(self) -> dict:
         return stability(self.history)

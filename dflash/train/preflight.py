@@ -6,8 +6,8 @@ be found by every rank at once: the same message printed N times, then torchrun'
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 
 import torch
 
@@ -20,6 +20,8 @@ from dflash.model.layer_ids import check_layer_selection, target_depth
 from dflash.model.load import resolve_target_path
 from dflash.train.plan_check import check_plan
 from dflash.train.topology import processes
+
+logger = logging.getLogger(__name__)
 
 
 def preflight(config: Config) -> None:
@@ -49,8 +51,7 @@ def check_capacity(world_size: int, what: str = "train.world_size") -> None:
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if world_size > (cores or 1):
-        print(
-            f"dflash train: warning: train.world_size = {world_size} ranks on {cores} CPU "
-            "core(s): they will share cores and run slower than fewer ranks would",
-            file=sys.stderr,
+        logger.warning(
+            f"train.world_size = {world_size} ranks on {cores} CPU "
+            "core(s): they will share cores and run slower than fewer ranks would"
         )
