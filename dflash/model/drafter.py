@@ -5,7 +5,7 @@ conditioned on target features by *KV injection*: in every layer the keys and va
 fused context features followed by the block tokens, through the same ``k_proj``/``v_proj``.
 Queries come from the block only. Its config, layers, rope and weight names are those of
 :mod:`dflash.model.remote`, the file every export ships; here the attention applies the training
-rule (:mod:`dflash.model.attention`) and keeps a context cache for generation.
+rule with its own kernels and keeps a context cache for generation.
 """
 
 from __future__ import annotations

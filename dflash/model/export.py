@@ -97,7 +97,7 @@ def read_config(data: dict) -> DFlashDraftConfig:
     """The config a drafter was built with, from its ``config.json``; serving keys are left out."""
     dflash = data.get("dflash_config", {})
     missing = [key for key in (*DRAFTER_KEYS, "rope_theta") if key not in data]
-    missing += [key for key in DFLASH_KEYS[:2] if key not in dflash]
+    missing += [key for key in DFLASH_KEYS if key != "mask_token" and key not in dflash]
     if missing:
         raise ValueError(f"drafter config.json lacks {sorted(missing)}")
     return DFlashDraftConfig(

@@ -71,7 +71,7 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 class Attention(nn.Module):
     """Queries from the block; keys and values from the context features and the block, through
-    the same ``k_proj``/``v_proj`` (*KV injection*)."""
+    the same ``k_proj``/``v_proj`` (*KV injection*). ``layer`` is its index in the drafter."""
 
     def __init__(self, config: DFlashDraftConfig, layer: int) -> None:
         super().__init__()
