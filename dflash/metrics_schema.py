@@ -431,7 +431,7 @@ def read(model: type[M], path: Path) -> M | str:
         except ValidationError:
             data = json.loads(text)
     except (OSError, ValueError) as err:
-        return f"{type(err).__name__}"
+        return type(err).__name__
     return partial(model, data) if isinstance(data, dict) else "not a JSON object"
 
 
@@ -449,16 +449,17 @@ def partial(model: type[M], data: dict) -> M:
 
 def _fit(annotation: Any, value: Any) -> Any:
     """``value`` if it fits ``annotation``; nested models fitted field by field, a mapping
-    of them entry by entry (None if one entry does not fit); else None."""
-    if value is None:
-        return None
+    entry by entry (None if one entry does not fit); else None."""
     nested = _model_in(annotation)
     if nested is not None:
         return partial(nested, value if isinstance(value, dict) else {})
+    if value is None:
+        return None
     if typing.get_origin(annotation) is dict and isinstance(value, dict):
         _, inner = typing.get_args(annotation)
         fitted = {k: _fit(inner, v) for k, v in value.items()}
-        return None if any(v is None for v in fitted.values()) else fitted
+        lost = [k for k, v in fitted.items() if v is None and value[k] is not None]
+        return None if lost else fitted
     try:
         return _adapter(annotation).validate_python(value, strict=True)
     except ValidationError:

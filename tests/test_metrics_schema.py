@@ -80,3 +80,9 @@ def test_the_schema_module_starts_without_torch():
     code = "import sys, dflash.metrics_schema; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_null_where_a_nested_object_goes_still_reads_as_one():
+    report = ms.partial(ms.IngestReport, {"kept": None, "skipped": {"a": None}})
+    assert report.kept.train is None and report.skipped["a"].count is None
+    assert ms.partial(ms.RegenerateReport, {"engine": {"x": None}}).engine == {"x": None}
