@@ -13,37 +13,24 @@ from pathlib import Path
 from typing import Any
 
 from dflash.fileio import write_json_atomic
+from dflash.metrics_schema import (
+    EvalHeadline,
+    Metrics,
+    RegenerateHeadline,
+    TargetHeadline,
+    TrainHeadline,
+    leaves,
+)
 
-TARGET = ("heldout_perplexity",)
-REGENERATE = ("conversations", "turns_regenerated", "tokens_generated", "unterminated_responses")
-TRAIN = (
-    "tokens_per_s",
-    "padded_tokens_per_s",
-    "padding_efficiency",
-    "steps",
-    "final_loss",
-    "loss_spikes",
-    "grad_norm_cv",
-    "target_idle_fraction",
-    "drafter_wait_fraction",
-)
-EVAL = (
-    "acceptance_length",
-    "acceptance_length_ci95",
-    "acceptance_length_pooled",
-    "acceptance_length_zlab",
-    "per_position_acceptance",
-    "baselines.ngram.acceptance_length",
-    "baselines.untrained.acceptance_length",
-    "lossless_mismatches",
-    "n_prompts",
-    "heldout_loss_by_length.short",
-    "heldout_loss_by_length.medium",
-    "heldout_loss_by_length.long",
-)
+CI_ENDS = ("acceptance_length_ci95_low", "acceptance_length_ci95_high")
+"""τ's interval as two numbers DVC shows, which :func:`dflash.eval.live.eval_headline` adds."""
+TARGET = leaves(TargetHeadline)
+REGENERATE = leaves(RegenerateHeadline)
+TRAIN = leaves(TrainHeadline)
+EVAL = tuple(key for key in leaves(EvalHeadline) if key not in CI_ENDS)
 """The contract keys of ``metrics/eval.json`` and the per-length losses that
-``bench/sweep_table.py`` tabulates; :func:`dflash.eval.live.eval_headline` adds the interval's
-two ends, ``acceptance_length_ci95_low`` and ``_high``, as numbers DVC shows."""
+``bench/sweep_table.py`` tabulates. Each tuple holds the dotted keys of its file's model
+(:mod:`dflash.metrics_schema`)."""
 
 
 def headline(data: dict, keys: tuple[str, ...]) -> dict:
@@ -66,8 +53,10 @@ def prune(tree: dict) -> dict:
     return {k: v for k, v in kept.items() if v != {}}
 
 
-def write_metrics(path: Path, details: Path, data: dict, keys: tuple[str, ...]) -> None:
-    """``data`` whole to ``details``, then its headline to ``path``: the headline comes last,
-    so its presence says the stage finished."""
-    write_json_atomic(details, data, sort_keys=True)
-    write_json_atomic(path, headline(data, keys), sort_keys=True)
+def write_metrics(path: Path, details: Path, data: Metrics, model: type[Metrics]) -> None:
+    """``data`` whole to ``details``, then its headline, as ``model``, to ``path``: the
+    headline comes last, so its presence says the stage finished."""
+    whole = data.dump()
+    write_json_atomic(details, whole, sort_keys=True)
+    shown = model.model_validate(headline(whole, leaves(model)))
+    write_json_atomic(path, shown.dump(), sort_keys=True)

@@ -105,3 +105,7 @@ EVAL_STRATA = EVAL_PLOTS / "strata.csv"
 TRAIN_LIVE = Path("dvclive/train")
 """DVCLive's copy of the training curves and summary, written at every log row (rank 0)."""
 EVAL_LIVE = Path("dvclive/evaluate")
+
+SCHEMAS = Path("docs/schemas")
+"""The JSON Schema of every metrics file and stage report (:mod:`dflash.metrics_schema`)."""
+SCHEMA_FILE = "{name}.schema.json"

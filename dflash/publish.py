@@ -9,7 +9,6 @@ checks that evaluation scored these very weights, and refuses otherwise (exit 2)
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -19,25 +18,26 @@ from dflash.errors import DirectoryInUse, UserError
 from dflash.eval.freshness import stale_drafter
 from dflash.fileio import atomic_dir, exit_on_sigterm, require_only
 from dflash.fingerprint import path_digest
+from dflash.metrics_schema import EvalDetails
 from dflash.model.card import SCORECARD_HEADING, SCORECARD_NOTE, scorecard_section
 
 EXPORT_FILES = (paths.DRAFTER_CONFIG, paths.DRAFTER_WEIGHTS, paths.DRAFTER_CODE, paths.DRAFTER_CARD)
 """What an export holds, hence a previous publish (with any other file the export now holds)."""
 
 
-def scored_metrics(root: Path) -> dict:
+def scored_metrics(root: Path) -> EvalDetails:
     """The evaluation details under ``root``, when they scored the drafter there; else why not."""
     rerun = "rerun the evaluate stage (`dvc repro evaluate` or `dflash evaluate`)"
     stale = stale_drafter(root)
     if stale:
         raise UserError(stale)
     try:
-        metrics = json.loads((root / paths.EVAL_DETAILS).read_text())
+        metrics = EvalDetails.model_validate_json((root / paths.EVAL_DETAILS).read_text())
     except FileNotFoundError:
         raise UserError(f"{paths.EVAL_DETAILS} is missing: {rerun}") from None
-    except ValueError:
+    except ValueError:  # not JSON, or not the file evaluate writes
         raise UserError(f"{paths.EVAL_DETAILS} is unreadable: {rerun}") from None
-    if metrics.get("drafter_sha256") != path_digest(root / paths.DRAFTER):
+    if metrics.drafter_sha256 != path_digest(root / paths.DRAFTER):
         raise UserError(f"{paths.EVAL_DETAILS} scored other weights than {paths.DRAFTER}: {rerun}")
     return metrics
 

@@ -2,38 +2,36 @@
 
 Every stage already writes its figures; this gathers the ones a user checks first (what was
 dropped, padding, loss, acceptance, losslessness) so ``make repro`` ends with a summary. It reads
-whatever exists and never raises: a stage without output says how to run it.
+whatever exists and never raises: a stage without output says how to run it. Each file is
+read as its model (:mod:`dflash.metrics_schema`); a partial file shows what it holds.
 """
 
 from __future__ import annotations
 
-import json
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from dflash import metrics_schema as ms
 from dflash import paths
-from dflash.config import Config
+from dflash.config import HELDOUT_SET, Config
 from dflash.data.conversations import read_conversations
 from dflash.eval.freshness import stale_drafter
 from dflash.eval.loops import text_ends_in_loop
 from dflash.eval.strata import scorecard_rows
 
-TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
 PLAN_SUMMARY = paths.PLANS / paths.PLAN_SUMMARY
+M = TypeVar("M", bound=ms.Metrics)
 
 
-def read(root: Path, *rels: Path) -> dict | str:
-    """The JSON object at the first existing path, else why not ("" when none exists)."""
+def read(root: Path, model: type[M], *rels: Path) -> M | str:
+    """The file at the first existing path as ``model``, else why not ("" when none exists)."""
     for rel in rels:
         path = root / rel
         if not path.exists():
             continue
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            return f"unreadable {rel}: {type(err).__name__}"
-        return data if isinstance(data, dict) else f"unreadable {rel}: not a JSON object"
+        got = ms.read(model, path)
+        return got if isinstance(got, ms.Metrics) else f"unreadable {rel}: {got}"
     return ""
 
 
@@ -63,34 +61,38 @@ def wrap(text: str, indent: int) -> list[str]:
     )
 
 
-def reasons(counts: Any) -> str:
-    """Nonzero counts by reason, ``{reason: n}`` or ``{reason: {"count": n}}``."""
-    if not isinstance(counts, dict):
-        return ""
-    pairs = [(k, v.get("count") if isinstance(v, dict) else v) for k, v in counts.items()]
+def counts(by_reason: dict[str, Any] | None) -> dict[str, Any]:
+    """``{reason: n}`` of ``{reason: n}`` or of ``{reason: Lines}``."""
+    items = (by_reason or {}).items()
+    return {k: v.count if isinstance(v, ms.Lines) else v for k, v in items}
+
+
+def reasons(by_reason: dict[str, Any] | None) -> str:
+    """Nonzero counts by reason."""
+    pairs = counts(by_reason).items()
     return ", ".join(f"{k} {n:,}" for k, n in pairs if isinstance(n, int) and n)
 
 
-def total(counts: Any) -> int | None:
-    if not isinstance(counts, dict):
+def total(by_reason: dict[str, Any] | None) -> int | None:
+    if by_reason is None:
         return None
-    values = [v.get("count") if isinstance(v, dict) else v for v in counts.values()]
-    return sum(v for v in values if isinstance(v, int))
+    return sum(v for v in counts(by_reason).values() if isinstance(v, int))
 
 
-def mismatch_flag(ev: dict) -> str | None:
+def mismatch_flag(ev: ms.EvalSet) -> str | None:
     """A loud line when speculative output ever differed from greedy: that is a bug, not noise."""
-    bad = ev.get("lossless_mismatches")
-    if isinstance(bad, int | float) and not isinstance(bad, bool) and bad != 0:
+    bad = ev.lossless_mismatches
+    if is_number(bad) and bad != 0:
         return (
-            f"!!! LOSSLESS CHECK FAILED: {bad} of {num(ev.get('n_prompts'))} prompts differ from "
+            f"!!! LOSSLESS CHECK FAILED: {bad} of {num(ev.n_prompts)} prompts differ from "
             "the target's greedy output (must be 0) !!!"
         )
     return None
 
 
 Cell = tuple[str, str, str]
-"""(shown name, JSON key, format spec; "s" for text) of one figure."""
+"""(shown name, field of the file's model or a figure worked out here, format spec; "s" for
+text) of one figure."""
 
 INGEST: list[list[Cell]] = [
     [("read", "records_read", ","), ("train", "train", ","), ("heldout", "heldout", ",")],
@@ -155,20 +157,22 @@ def grid(d: dict, rows: list[list[Cell]]) -> list[str]:
     return [row("", *((name, show(key, spec)) for name, key, spec in cells)) for cells in rows]
 
 
-def because(what: str, counts: Any) -> list[str]:
-    why = reasons(counts)
+def because(what: str, by_reason: dict[str, Any] | None) -> list[str]:
+    why = reasons(by_reason)
     return wrap(f"{what}: {why}", 13) if why else []
 
 
-def as_dict(value: Any) -> dict:
-    return value if isinstance(value, dict) else {}
+def figures(d: ms.Metrics | dict, rows: list[list[Cell]]) -> list[str]:
+    """The grid of the keys a file had (a merged ``dict`` of them, for the token store)."""
+    return grid(d if isinstance(d, dict) else d.present(), rows)
 
 
-def ingest(d: dict) -> list[str]:
-    kept, dup = as_dict(d.get("kept")), as_dict(d.get("duplicates_removed"))
-    skipped_n = d.get("skipped_total", total(d.get("skipped")))
-    flat = {**d, **kept, "duplicates": dup.get("count"), "skipped_n": skipped_n}
-    return grid(flat, INGEST) + because("skipped", d.get("skipped"))
+def ingest(d: ms.IngestReport) -> list[str]:
+    given = "skipped_total" in d.model_fields_set
+    skipped_n = d.skipped_total if given else total(d.skipped)
+    kept = {"train": d.kept.train, "heldout": d.kept.heldout}
+    flat = {**d.present(), **kept, "duplicates": d.duplicates_removed.count, "skipped_n": skipped_n}
+    return grid(flat, INGEST) + because("skipped", d.skipped)
 
 
 def is_number(value: Any) -> bool:
@@ -193,34 +197,34 @@ def looping_turns(root: Path) -> int | None:
     return sum(text_ends_in_loop(text) for text in turns)
 
 
-def regenerate(d: dict, root: Path) -> list[str]:
-    if d.get("skipped"):
+def regenerate(d: ms.RegenerateReport, root: Path) -> list[str]:
+    if d.skipped:
         return [row("", ("skipped", "yes")) + "  (data.regenerate: false)"]
-    rate = d.get("tokens_per_s")
-    rate = "cached" if rate is None and "tokens_per_s" in d else num(rate, ",.0f")
-    turns = d.get("turns_regenerated")
-    cap, loops = share(d.get("unterminated_responses"), turns), share(looping_turns(root), turns)
-    return grid({**d, "rate": rate, "cap_share": cap, "loop_share": loops}, REGENERATE)
+    rate = d.tokens_per_s
+    rate = "cached" if rate is None and "tokens_per_s" in d.model_fields_set else num(rate, ",.0f")
+    turns = d.turns_regenerated
+    cap, loops = share(d.unterminated_responses, turns), share(looping_turns(root), turns)
+    return grid({**d.present(), "rate": rate, "cap_share": cap, "loop_share": loops}, REGENERATE)
 
 
-def tokenize(d: dict) -> list[str]:
+def tokenize(d: dict[str, Any]) -> list[str]:
+    """The keys of the token store's manifest and of the tokenize report, merged."""
     flat = {**d, "dropped_n": total(d.get("dropped"))}
     return grid(flat, TOKENIZE) + because("dropped", d.get("dropped"))
 
 
-def evaluation(d: dict) -> list[str]:
-    base = as_dict(d.get("baselines"))
-    ngram, untrained = as_dict(base.get("ngram")), as_dict(base.get("untrained"))
-    ci = d.get("acceptance_length_ci95")
-    by_length = as_dict(d.get("heldout_loss_by_length"))
+def evaluation(d: ms.EvalDetails) -> list[str]:
+    ngram, untrained = d.baselines.ngram, d.baselines.untrained
+    ci = d.acceptance_length_ci95
+    pair = isinstance(ci, list) and len(ci) == 2
     flat = {
-        **d,
-        "ci": f"{num(ci[0], '.2f')}-{num(ci[1], '.2f')}" if isinstance(ci, list) else None,
-        "ngram_tau": ngram.get("acceptance_length"),
-        "ngram_speedup": ngram.get("speedup"),
-        "untrained_tau": untrained.get("acceptance_length"),
-        "vs_ngram": share(d.get("acceptance_length"), ngram.get("acceptance_length")),
-        **{f"loss_{k}": v for k, v in by_length.items()},
+        **d.present(),
+        "ci": f"{num(ci[0], '.2f')}-{num(ci[1], '.2f')}" if pair else None,
+        "ngram_tau": ngram.acceptance_length,
+        "ngram_speedup": ngram.speedup,
+        "untrained_tau": untrained.acceptance_length,
+        "vs_ngram": share(d.acceptance_length, ngram.acceptance_length),
+        **{f"loss_{k}": v for k, v in d.heldout_loss_by_length or ()},
     }
     noise = timing_noise(d)
     for key in ("speedup", "ngram_speedup", "speedup_wall"):
@@ -229,8 +233,7 @@ def evaluation(d: dict) -> list[str]:
     out = grid(flat, EVALUATION)
     if noise:
         out += wrap(f"? unreliable: {noise}", 13)
-    per = d.get("per_position_acceptance")
-    per = [p for p in per if isinstance(p, int | float)] if isinstance(per, list) else []
+    per = d.per_position_acceptance or []
     out += by_position(per) if per else []
     flag = mismatch_flag(d)
     return out + (wrap(flag, 2) if flag else [])
@@ -251,10 +254,10 @@ def by_position(per: list[float]) -> list[str]:
     return out
 
 
-def timing_noise(ev: dict) -> str | None:
+def timing_noise(ev: ms.EvalSet) -> str | None:
     """Why the speedups are noise: an untrained drafter accepts almost nothing, so any speedup
     it shows above 1x comes from the timer, and the other speedups share that timer."""
-    untrained = as_dict(as_dict(ev.get("baselines")).get("untrained")).get("speedup")
+    untrained = ev.baselines.untrained.speedup
     if not is_number(untrained) or untrained <= 1:
         return None
     return f"timing noise (the untrained drafter reads {untrained:.2f}x)"
@@ -264,20 +267,21 @@ MIN_PROMPTS = 20
 """Fewer scored prompts leave τ's interval too wide to tell two runs apart."""
 
 
-def advice(regen: dict | str, ev: dict | str) -> list[str]:
+def advice(regen: ms.RegenerateReport | str, ev: ms.EvalDetails | str) -> list[str]:
     """One sentence per figure that makes this run's result untrustworthy, with what to change."""
     out = []
-    regen = regen if isinstance(regen, dict) and not regen.get("skipped") else {}
-    capped = share(regen.get("unterminated_responses"), regen.get("turns_regenerated"))
+    if isinstance(regen, str) or regen.skipped:
+        regen = ms.partial(ms.RegenerateReport, {})
+    capped = share(regen.unterminated_responses, regen.turns_regenerated)
     if capped is not None and capped > 0.5:
         out.append(
             f"{capped:.0%} of regenerated answers hit the length cap: the drafter learns cut-off "
             "answers. Raise regenerate.max_new_tokens and rerun from regenerate."
         )
-    ev = ev if isinstance(ev, dict) else {}
-    tau = ev.get("acceptance_length")
-    ngram = as_dict(as_dict(ev.get("baselines")).get("ngram")).get("acceptance_length")
-    ci = ev.get("acceptance_length_ci95")
+    ev = ms.partial(ms.EvalDetails, {}) if isinstance(ev, str) else ev
+    tau = ev.acceptance_length
+    ngram = ev.baselines.ngram.acceptance_length
+    ci = ev.acceptance_length_ci95
     low = ci[0] if isinstance(ci, list) and len(ci) == 2 and is_number(ci[0]) else tau
     if is_number(tau) and is_number(ngram) and min(tau, low) <= ngram:
         out.append(
@@ -286,7 +290,7 @@ def advice(regen: dict | str, ev: dict | str) -> list[str]:
             "more conversations (data.max_conversations) or longer (train.epochs)"
             + (", after the cap above." if out else ".")
         )
-    n = ev.get("n_prompts")
+    n = ev.n_prompts
     if is_number(n) and n < MIN_PROMPTS:
         out.append(
             f"Only {n} prompts were scored: tau and speedups are too noisy to compare runs. "
@@ -302,14 +306,19 @@ def advice(regen: dict | str, ev: dict | str) -> list[str]:
     return [line for text in out for line in wrap(f"! {text}", 2)]
 
 
-def scorecard(d: dict) -> list[str]:
+def unreadable_strata(d: ms.EvalDetails) -> bool:
+    """Whether a set's ``strata`` (or ``sets`` itself) is there but of the wrong shape."""
+    sets = {HELDOUT_SET: d, **(d.sets or {})}
+    broken = [s for s in sets.values() if "strata" in s.model_fields_set and s.strata is None]
+    return bool(broken) or ("sets" in d.model_fields_set and d.sets is None)
+
+
+def scorecard(d: ms.EvalDetails) -> list[str]:
     """Set x stratum: τ per response, its 95% interval, the n-gram baseline's τ, prompts."""
     out = [f"{'':13}{'set':<12}{'stratum':<16}{'tau':>6}{'95% CI':>13}{'n-gram':>8}{'n':>6}"]
-    try:
-        flat = scorecard_rows(d)
-    except (AttributeError, TypeError, KeyError):  # a hand-edited or partial file: no table
+    if unreadable_strata(d):  # a hand-edited or partial file: no table
         return [f"{'':13}unreadable strata in {paths.EVAL_DETAILS}"]
-    for r in flat:
+    for r in scorecard_rows(d):
         ci = r.get("acceptance_length_ci95")
         pair = isinstance(ci, list) and len(ci) == 2
         shown = f"{num(ci[0], '.2f')}-{num(ci[1], '.2f')}" if pair else "n/a"
@@ -321,46 +330,49 @@ def scorecard(d: dict) -> list[str]:
     return out
 
 
-def section(label: str, stage: str, data: dict | str, lines: Any) -> list[str]:
+def section(label: str, stage: str, data: ms.Metrics | dict | str, lines: Any) -> list[str]:
     """``lines(data)`` under ``label``, or why there is nothing to show."""
     if isinstance(data, str):
         return [f"  {label:<11}" + (data or f"not run yet (dvc repro {stage})")]
-    out = lines(data) if callable(lines) else grid(data, lines)
+    out = lines(data) if callable(lines) else figures(data, lines)
     return [f"  {label:<11}{out[0][13:]}", *out[1:]]
+
+
+def batching(root: Path) -> dict[str, Any] | str:
+    """The plan's figures, and its strategy from ``data/plans/summary.json``."""
+    plan = read(root, ms.PlanMetrics, paths.PLAN_METRICS, PLAN_SUMMARY)
+    summary = read(root, ms.PlanSummary, PLAN_SUMMARY)
+    if isinstance(plan, str):
+        return plan
+    has_meta = isinstance(summary, ms.PlanSummary) and "meta" in summary.model_fields_set
+    return {"strategy": summary.meta.strategy, **plan.present()} if has_meta else plan.present()
+
+
+def token_store(root: Path) -> dict[str, Any] | str:
+    """The keys of the tokenize report over those of the store's manifest, either alone."""
+    report = read(root, ms.TokenizeReport, paths.TOKENIZE_REPORT)
+    manifest = read(root, ms.TokenManifest, paths.TOKEN_MANIFEST)
+    tok = [d.present() for d in (report, manifest) if isinstance(d, ms.Metrics)]
+    return {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
 
 
 def render_report(root: Path) -> str:
     """The report for the pipeline outputs under ``root`` (the directory ``dvc repro`` ran in)."""
-    plan = read(root, paths.PLAN_METRICS, PLAN_SUMMARY)
-    summary = read(root, PLAN_SUMMARY)
-    meta = summary.get("meta") if isinstance(summary, dict) else None
-    if isinstance(plan, dict) and isinstance(meta, dict):
-        plan = {"strategy": meta.get("strategy"), **plan}
-    tok = [d for d in (read(root, rel) for rel in TOKENIZE_FILES) if isinstance(d, dict)]
-    ev = read(root, paths.EVAL_DETAILS, paths.EVAL_METRICS)
-    flags = [mismatch_flag(ev) if isinstance(ev, dict) else None, stale_drafter(root)]
+    ev = read(root, ms.EvalDetails, paths.EVAL_DETAILS, paths.EVAL_METRICS)
+    flags = [None if isinstance(ev, str) else mismatch_flag(ev), stale_drafter(root)]
     flags = [flag if flag.startswith("!!!") else f"!!! {flag} !!!" for flag in flags if flag]
     lines = ["dflash report", *[line for flag in flags for line in wrap(flag, 0)], ""]
-    lines += section("ingest", "ingest", read(root, paths.INGEST_REPORT), ingest)
-    regen = read(root, paths.REGENERATE_REPORT)
+    lines += section("ingest", "ingest", read(root, ms.IngestReport, paths.INGEST_REPORT), ingest)
+    regen = read(root, ms.RegenerateReport, paths.REGENERATE_REPORT)
     lines += section("regenerate", "regenerate", regen, lambda d: regenerate(d, root))
-    tok_data = {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
-    lines += section("tokenize", "tokenize", tok_data, tokenize)
-    lines += [
-        "",
-        *section(
-            "target", "target", read(root, paths.TARGET_DETAILS, paths.TARGET_METRICS), TARGET
-        ),
-    ]
-    lines += ["", *section("batching", "plan", plan, BATCHING)]
-    lines += [
-        "",
-        *section(
-            "training", "train", read(root, paths.TRAIN_DETAILS, paths.TRAIN_METRICS), TRAINING
-        ),
-    ]
+    lines += section("tokenize", "tokenize", token_store(root), tokenize)
+    target = read(root, ms.TargetDetails, paths.TARGET_DETAILS, paths.TARGET_METRICS)
+    lines += ["", *section("target", "target", target, TARGET)]
+    lines += ["", *section("batching", "plan", batching(root), BATCHING)]
+    train = read(root, ms.TrainDetails, paths.TRAIN_DETAILS, paths.TRAIN_METRICS)
+    lines += ["", *section("training", "train", train, TRAINING)]
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
-    if isinstance(ev, dict) and "strata" in ev:
+    if not isinstance(ev, str) and "strata" in ev.model_fields_set:
         lines += ["", *section("scorecard", "evaluate", ev, scorecard)]
     warnings = advice(regen, ev)
     lines += ["", "  warnings", *warnings] if warnings else []
@@ -373,6 +385,6 @@ def run(config: Config) -> int:
     The config is unused: every figure is read back from disk.
     """
     print(render_report(Path.cwd()), end="")
-    evaluation = read(Path.cwd(), paths.EVAL_METRICS)
-    mismatches = evaluation.get("lossless_mismatches", 0) if isinstance(evaluation, dict) else 0
+    evaluation = read(Path.cwd(), ms.EvalHeadline, paths.EVAL_METRICS)
+    mismatches = 0 if isinstance(evaluation, str) else evaluation.lossless_mismatches
     return 1 if mismatches else 0

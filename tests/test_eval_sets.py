@@ -7,6 +7,7 @@ import json
 
 import pytest
 from conftest import WORDS, run_stages, tiny_qwen3
+from test_metrics_schema import DATA_FILES, RUN_FILES, assert_files_round_trip
 
 from dflash.data.tokenizer import load_tokenizer
 from dflash.eval.metrics import summarize_method
@@ -160,6 +161,7 @@ def test_evaluate_scores_every_set_with_strata(tiny_workspace):
         ["plan", "train", "evaluate"],
         ["train.world_size=1", "train.epochs=1", sets],
     )
+    assert_files_round_trip(tiny_workspace, {**DATA_FILES, **RUN_FILES})
     metrics = json.loads((tiny_workspace / "metrics/eval_details.json").read_text())
     assert metrics["n_prompts"] == 3 and metrics["modes"] == ["default"]
     assert set(metrics["strata"]) == {"tools", "length"}

@@ -1,28 +1,43 @@
 """``dvc exp show`` stays on one screen: the declared metrics files hold the headline only."""
 
 import json
+import typing
 
 import yaml
 from declaration import ROOT
+from pydantic import BaseModel
 
 from dflash import headline, paths
-from dflash.eval.live import eval_headline
 from dflash.headline import write_metrics
+from dflash.metrics_schema import (
+    EvalHeadline,
+    RegenerateHeadline,
+    TargetHeadline,
+    TrainDetails,
+    TrainHeadline,
+    leaves,
+)
 
 MAX_LEAVES = 30
 HEADLINES = {
-    paths.TARGET_METRICS: headline.TARGET,
-    paths.REGENERATE_METRICS: headline.REGENERATE,
-    paths.TRAIN_METRICS: headline.TRAIN,
-    paths.EVAL_METRICS: headline.EVAL,
+    paths.TARGET_METRICS: TargetHeadline,
+    paths.REGENERATE_METRICS: RegenerateHeadline,
+    paths.TRAIN_METRICS: TrainHeadline,
+    paths.EVAL_METRICS: EvalHeadline,
 }
 
 
-def dvc_leaves(tree) -> int:
+def dvc_leaves(model) -> int:
     """The columns DVC makes of one metrics file: a number or string each, lists skipped."""
-    if isinstance(tree, dict):
-        return sum(dvc_leaves(v) for v in tree.values())
-    return int(isinstance(tree, int | float | str))
+    count = 0
+    for field in model.model_fields.values():
+        kinds = (field.annotation, *typing.get_args(field.annotation))
+        nested = [k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)]
+        if nested:
+            count += dvc_leaves(nested[0])
+        elif not any(typing.get_origin(k) is list for k in kinds):
+            count += 1
+    return count
 
 
 def declared_metrics() -> set[str]:
@@ -34,29 +49,19 @@ def declared_metrics() -> set[str]:
     }
 
 
-def full(keys: tuple[str, ...]) -> dict:
-    """A details dict holding every headline key (a list where the contract has one), and more."""
-    data: dict = {"detail": 1, "nested": {"detail": 2}}
-    for key in keys:
-        *parents, leaf = key.split(".")
-        node = data
-        for part in parents:
-            node = node.setdefault(part, {"detail": 3})
-        node[leaf] = (
-            [1.0, 2.0] if leaf in ("acceptance_length_ci95", "per_position_acceptance") else 1.0
-        )
-    return data
-
-
 def test_only_the_headline_files_are_declared_metrics():
     assert declared_metrics() == {str(p) for p in HEADLINES}
 
 
 def test_the_declared_metrics_hold_at_most_30_leaves():
-    shown = {p: headline.headline(full(keys), keys) for p, keys in HEADLINES.items()}
-    shown[paths.EVAL_METRICS] = eval_headline(full(headline.EVAL))
-    counts = {str(p): dvc_leaves(tree) for p, tree in shown.items()}
+    counts = {str(p): dvc_leaves(model) for p, model in HEADLINES.items()}
     assert sum(counts.values()) <= MAX_LEAVES, counts
+
+
+def test_the_headline_keys_are_their_models_keys():
+    assert headline.TRAIN == leaves(TrainHeadline)
+    assert set(headline.EVAL) | set(headline.CI_ENDS) == set(leaves(EvalHeadline))
+    assert "baselines.ngram.acceptance_length" in headline.EVAL
 
 
 def test_headline_keeps_the_keys_it_has_nested_and_drops_the_rest():
@@ -64,8 +69,18 @@ def test_headline_keeps_the_keys_it_has_nested_and_drops_the_rest():
     assert headline.headline(data, ("a", "b.c", "x.y", "b.z")) == {"a": 1, "b": {"c": 2}}
 
 
+TRAIN_DETAILS = {
+    "data_wait_fraction": 0.01, "drafter_sha256": "0" * 64, "drafter_wait_fraction": 0.0,
+    "epochs": 1, "final_accuracy": 0.5, "final_loss": 2.0, "final_simulated_tau": 1.5,
+    "flex_compiles": 0, "grad_norm_cv": None, "loss_spikes": 0, "padded_tokens_per_s": 6.0,
+    "padding_efficiency": 0.8, "simulated_tau_cost": 0.1, "skipped_steps": 0, "steps": 3,
+    "target_idle_fraction": 0.0, "tokens_per_s": 5.0, "train_seconds": 1.0, "world_size": 2,
+}  # fmt: skip
+
+
 def test_write_metrics_writes_the_details_whole_and_the_headline_last(tmp_path):
-    data = {"tokens_per_s": 5.0, "world_size": 2, "drafter_sha256": "0" * 64}
-    write_metrics(tmp_path / "train.json", tmp_path / "details.json", data, headline.TRAIN)
-    assert json.loads((tmp_path / "details.json").read_text()) == data
-    assert json.loads((tmp_path / "train.json").read_text()) == {"tokens_per_s": 5.0}
+    details = TrainDetails.model_validate(TRAIN_DETAILS)
+    write_metrics(tmp_path / "train.json", tmp_path / "details.json", details, TrainHeadline)
+    assert json.loads((tmp_path / "details.json").read_text()) == TRAIN_DETAILS
+    shown = json.loads((tmp_path / "train.json").read_text())
+    assert shown == {k: TRAIN_DETAILS[k] for k in headline.TRAIN}

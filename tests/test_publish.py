@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash import paths, publish
+from dflash.metrics_schema import EvalDetails, partial
 from dflash.model.card import SCORECARD_NOTE
 
 EXPORT = {
@@ -30,7 +31,8 @@ def workspace(tmp_path, monkeypatch) -> Path:
     (root / paths.DRAFTER).mkdir(parents=True)
     for name, text in EXPORT.items():
         (root / paths.DRAFTER / name).write_text(text)
-    monkeypatch.setattr(publish, "scored_metrics", lambda root: {"n_prompts": 3})
+    scored = partial(EvalDetails, {"n_prompts": 3})
+    monkeypatch.setattr(publish, "scored_metrics", lambda root: scored)
     monkeypatch.chdir(root)
     return root
 

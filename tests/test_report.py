@@ -266,3 +266,25 @@ def test_report_starts_without_torch():
     code = "import sys, dflash.report; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_every_figure_is_a_field_of_its_files_model_or_worked_out_by_the_report():
+    from dflash import metrics_schema as ms
+    from dflash import report
+
+    worked_out = {"train", "heldout", "duplicates", "skipped_n", "rate", "cap_share",
+                  "loop_share", "dropped_n", "strategy", "ci", "ngram_tau", "untrained_tau",
+                  "vs_ngram", "speedup_shown", "ngram_speedup_shown", "speedup_wall_shown",
+                  "loss_short", "loss_medium", "loss_long"}  # fmt: skip
+    tables = {
+        "INGEST": ms.IngestReport,
+        "REGENERATE": ms.RegenerateReport,
+        "TOKENIZE": ms.TokenizeReport,
+        "TARGET": ms.TargetDetails,
+        "BATCHING": ms.PlanMetrics,
+        "TRAINING": ms.TrainDetails,
+        "EVALUATION": ms.EvalDetails,
+    }
+    for name, model in tables.items():
+        keys = {key for cells in getattr(report, name) for _, key, _ in cells}
+        assert keys <= set(model.model_fields) | worked_out, (name, keys - set(model.model_fields))

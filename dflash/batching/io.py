@@ -18,6 +18,7 @@ from dflash import paths
 from dflash.batching.errors import InvalidPlanError
 from dflash.fileio import atomic_path, write_json_atomic
 from dflash.fingerprint import digest
+from dflash.metrics_schema import PlanSummary
 
 META_KEY = b"dflash.plan.meta"
 
@@ -64,7 +65,9 @@ def read_epoch(path: str | Path) -> tuple[pa.Table, dict[str, Any] | None]:
 
 
 def write_summary(summary: dict[str, Any], plans_dir: str | Path) -> None:
-    write_json_atomic(Path(plans_dir) / paths.PLAN_SUMMARY, summary)
+    write_json_atomic(
+        Path(plans_dir) / paths.PLAN_SUMMARY, PlanSummary.model_validate(summary).dump()
+    )
 
 
 def read_plan_meta(plans_dir: str | Path) -> dict[str, Any]:

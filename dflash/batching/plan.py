@@ -31,6 +31,7 @@ from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import validate_plans
 from dflash.config import Config
 from dflash.fileio import atomic_dir, require_only, write_json_atomic
+from dflash.metrics_schema import PlanMetrics
 from dflash.params import at_least
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ def run(config: Config) -> None:
     )
     # The plan's figures as a DVC metrics file (outside ``data/plans``, which is an out).
     figures = {k: v for k, v in summary.items() if k != "meta"}
-    write_json_atomic(paths.PLAN_METRICS, figures)
+    write_json_atomic(paths.PLAN_METRICS, PlanMetrics.model_validate(figures).dump())
     logger.info(_headline(summary))
 
 

@@ -30,6 +30,7 @@ from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, 
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
 from dflash.errors import ConfigError
 from dflash.fileio import atomic_dir, not_a_file, write_json_atomic
+from dflash.metrics_schema import IngestReport
 from dflash.params import outside
 
 logger = logging.getLogger(__name__)
@@ -279,7 +280,9 @@ def run(config: Config) -> int:
             report = {"source": source, **report, **extra}
             if report["kept"]["train"] == 0:
                 raise NoConversationsError(report)
-            write_json_atomic(out / paths.INGEST_REPORT.name, report)
+            write_json_atomic(
+                out / paths.INGEST_REPORT.name, IngestReport.model_validate(report).dump()
+            )
     except NoConversationsError as err:
         logger.error(f"{err}; nothing written. Report:\n{json.dumps(err.report, indent=2)}")
         return 1

@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash import headline, paths
+from dflash import paths
 from dflash.closure import declared_inputs
 from dflash.config import Config, RegenerateConfig
 from dflash.data.chat import template_renderer
@@ -48,6 +48,7 @@ from dflash.data.tokenizer import load_tokenizer, stop_token_ids
 from dflash.fileio import atomic_path, remove_files, write_json_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.headline import write_metrics
+from dflash.metrics_schema import RegenerateHeadline, RegenerateReport
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
@@ -423,7 +424,8 @@ def run(config: Config) -> None:
     # The report is written last and marks a finished run: it is removed just before the
     # conversations are replaced, so a run that dies leaves none beside new conversations.
     report = regenerate(config) if config.data.regenerate else copy_conversations()
-    write_metrics(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT, report, headline.REGENERATE)
+    details = RegenerateReport.model_validate(report)
+    write_metrics(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT, details, RegenerateHeadline)
     if report["skipped"]:
         logger.info(f"skipped, copied {report['conversations']} conversations")
     else:

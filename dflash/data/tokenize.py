@@ -37,6 +37,7 @@ from dflash.data.conversations import batch_rows, count_conversations, iter_batc
 from dflash.data.store import TokenStore, TokenStoreWriter
 from dflash.data.tokenizer import load_tokenizer, tokenizer_hash
 from dflash.fileio import atomic_dir, write_json_atomic
+from dflash.metrics_schema import TokenizeReport
 from dflash.progress import progress_bar
 
 logger = logging.getLogger(__name__)
@@ -303,7 +304,8 @@ def run(config: Config) -> int:
             report = {**manifest, "length": length_summary(TokenStore(out).lengths)}
             if manifest["n_samples"] == 0:
                 raise NoSamplesError(report)
-            write_json_atomic(out / paths.TOKENIZE_REPORT.name, report)
+            shown = TokenizeReport.model_validate(report).dump()
+            write_json_atomic(out / paths.TOKENIZE_REPORT.name, shown)
     except NoSamplesError as err:
         logger.error(
             f"no training samples; nothing written. Report:\n{json.dumps(err.report, indent=2)}"

@@ -8,11 +8,11 @@ run. Evaluating either would report figures for weights no one asked for.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dflash import paths
 from dflash.fingerprint import path_digest
+from dflash.metrics_schema import TrainDetails, read
 
 
 def stale_drafter(root: Path) -> str | None:
@@ -31,10 +31,10 @@ def stale_drafter(root: Path) -> str | None:
             f"{paths.DRAFTER} is left from an older run; {rerun}"
         )
     details = paths.TRAIN_DETAILS if (root / paths.TRAIN_DETAILS).exists() else paths.TRAIN_METRICS
-    try:
-        recorded = json.loads((root / details).read_text()).get("drafter_sha256")
-    except (OSError, ValueError, AttributeError):
+    train = read(TrainDetails, root / details)
+    if isinstance(train, str):
         return f"{details} is unreadable: the last training run did not finish; {rerun}"
+    recorded = train.drafter_sha256
     if recorded is not None and recorded != path_digest(root / paths.DRAFTER):
         return (
             f"{paths.DRAFTER} is not the drafter the last training run wrote (its digest "

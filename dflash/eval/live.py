@@ -13,6 +13,7 @@ from dflash.eval.strata import scorecard_rows
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.headline import EVAL, headline
 from dflash.live import open_live
+from dflash.metrics_schema import EvalDetails, EvalHeadline
 
 LIVE_SUMMARY = (
     "acceptance_length",
@@ -27,21 +28,22 @@ LIVE_SUMMARY = (
 )
 
 
-def live_summary(metrics: dict) -> dict[str, float]:
-    flat = {k: metrics[k] for k in LIVE_SUMMARY if metrics.get(k) is not None}
-    for name, base in metrics.get("baselines", {}).items():
-        flat[f"{name}_acceptance_length"] = base["acceptance_length"]
-        flat[f"{name}_speedup"] = base["speedup"]
-    for name, loss in metrics.get("heldout_loss_by_length", {}).items():
+def live_summary(details: EvalDetails) -> dict[str, float]:
+    shown = {k: getattr(details, k) for k in LIVE_SUMMARY}
+    flat = {k: v for k, v in shown.items() if v is not None}
+    for name, base in details.baselines:
+        flat[f"{name}_acceptance_length"] = base.acceptance_length
+        flat[f"{name}_speedup"] = base.speedup
+    for name, loss in details.heldout_loss_by_length or ():
         if loss is not None:
             flat[f"heldout_loss_{name}"] = loss
-    for name, scored in metrics.get("sets", {}).items():
-        flat[f"{name}_acceptance_length"] = scored["acceptance_length"]
-        flat[f"{name}_ngram_acceptance_length"] = scored["baselines"]["ngram"]["acceptance_length"]
+    for name, scored in details.sets.items():
+        flat[f"{name}_acceptance_length"] = scored.acceptance_length
+        flat[f"{name}_ngram_acceptance_length"] = scored.baselines.ngram.acceptance_length
     return flat
 
 
-def strata_csv(metrics: dict) -> str:
+def strata_csv(metrics: EvalDetails) -> str:
     """Every set's rows, the held-out split first: one bar each in ``dvc plots``."""
     lines = ["label,set,stratum,acceptance_length,ci_low,ci_high,ngram_acceptance_length,n_prompts"]
     for r in scorecard_rows(metrics):
@@ -56,11 +58,12 @@ def strata_csv(metrics: dict) -> str:
 def write_eval_outputs(metrics: dict, decodes) -> None:
     """The old metrics go first and the new come last: a run killed in between leaves no old
     metrics beside new acceptance rows (they are two files in two directories)."""
+    details = EvalDetails.model_validate(metrics)
     remove_files(paths.EVAL_METRICS, paths.EVAL_DETAILS, paths.EVAL_ACCEPTANCE, paths.EVAL_STRATA)
-    per = metrics["per_position_acceptance"]
+    per = details.per_position_acceptance
     lines = "position,acceptance\n" + "".join(f"{k},{a:.6f}\n" for k, a in enumerate(per, 1))
     write_text_atomic(paths.EVAL_ACCEPTANCE, lines)
-    write_text_atomic(paths.EVAL_STRATA, strata_csv(metrics))
+    write_text_atomic(paths.EVAL_STRATA, strata_csv(details))
     live = open_live(paths.EVAL_LIVE)
     for i in range(len(decodes.greedy)):
         for name, outputs in decodes.methods.items():
@@ -70,16 +73,16 @@ def write_eval_outputs(metrics: dict, decodes) -> None:
         live.next_step()
     points = [{"position": k, "acceptance": a} for k, a in enumerate(per, 1)]
     live.log_plot("acceptance", points, x="position", y="acceptance", title="Acceptance")
-    live.summary.update(live_summary(metrics))
+    live.summary.update(live_summary(details))
     live.end()
-    write_json_atomic(paths.EVAL_DETAILS, metrics, sort_keys=True)
-    write_json_atomic(paths.EVAL_METRICS, eval_headline(metrics), sort_keys=True)
+    write_json_atomic(paths.EVAL_DETAILS, details.dump(), sort_keys=True)
+    write_json_atomic(paths.EVAL_METRICS, eval_headline(details).dump(), sort_keys=True)
 
 
-def eval_headline(metrics: dict) -> dict:
+def eval_headline(details: EvalDetails) -> EvalHeadline:
     """The headline, with τ's interval also as two numbers: DVC shows no list."""
-    out = headline(metrics, EVAL)
-    ci = metrics.get("acceptance_length_ci95")
-    if isinstance(ci, list) and len(ci) == 2:
+    out = headline(details.dump(), EVAL)
+    ci = details.acceptance_length_ci95
+    if len(ci) == 2:
         out |= {"acceptance_length_ci95_low": ci[0], "acceptance_length_ci95_high": ci[1]}
-    return out
+    return EvalHeadline.model_validate(out)

@@ -15,6 +15,7 @@ import numpy as np
 
 from dflash.config import HELDOUT_SET
 from dflash.eval.metrics import acceptance_by_position, bootstrap_interval, response_tau
+from dflash.metrics_schema import EvalDetails, EvalSet
 
 if TYPE_CHECKING:  # torch stays out: the report and publish read the scorecard without a model
     from dflash.eval.prompts import Prompt
@@ -89,28 +90,26 @@ def strata(
     return out
 
 
-def scorecard_rows(metrics: dict) -> list[dict]:
-    """The rows of every set of ``metrics/eval.json``, the held-out split (its top level) first;
-    a part that is not a mapping (a hand-edited file) gives no rows rather than an error."""
-    sets = metrics.get("sets")
-    sets = {HELDOUT_SET: metrics, **(sets if isinstance(sets, dict) else {})}
-    return [r for name, m in sets.items() for r in rows(name, m if isinstance(m, dict) else {})]
+def scorecard_rows(metrics: EvalDetails) -> list[dict]:
+    """The rows of every set of ``metrics/eval_details.json``, the held-out split (its top
+    level) first."""
+    sets = {HELDOUT_SET: metrics, **(metrics.sets or {})}
+    return [r for name, m in sets.items() for r in rows(name, m)]
 
 
-def rows(set_name: str, metrics: dict) -> list[dict]:
+def rows(set_name: str, metrics: EvalSet) -> list[dict]:
     """Flat rows of one set (``all`` first, then every stratum) for the plot and the report."""
-    base = metrics.get("baselines", {}).get("ngram", {})
     every = {
-        "n_prompts": metrics.get("n_prompts"),
-        "acceptance_length": metrics.get("acceptance_length"),
-        "acceptance_length_ci95": metrics.get("acceptance_length_ci95"),
-        "acceptance_length_zlab": metrics.get("acceptance_length_zlab"),
-        "ngram_acceptance_length": base.get("acceptance_length"),
+        "n_prompts": metrics.n_prompts,
+        "acceptance_length": metrics.acceptance_length,
+        "acceptance_length_ci95": metrics.acceptance_length_ci95,
+        "acceptance_length_zlab": metrics.acceptance_length_zlab,
+        "ngram_acceptance_length": metrics.baselines.ngram.acceptance_length,
     }
     out = [{"set": set_name, "stratum": "all", **every}]
-    table = metrics.get("strata", {})
+    table = metrics.strata or {}
     for kind in sorted(table, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
-        by, order = table[kind], [*metrics.get("modes", []), *GROUPS]
+        by, order = table[kind], [*(metrics.modes or []), *GROUPS]
         for n in sorted(by, key=lambda g: order.index(g) if g in order else len(order)):
-            out.append({"set": set_name, "stratum": f"{kind}:{n}", **by[n]})
+            out.append({"set": set_name, "stratum": f"{kind}:{n}", **by[n].dump()})
     return out

@@ -15,13 +15,14 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash import headline, paths
+from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.fileio import atomic_dir, remove_files, write_json_atomic
 from dflash.fingerprint import digest
 from dflash.headline import write_metrics
+from dflash.metrics_schema import TargetDetails, TargetHeadline
 from dflash.model.layer_ids import check_layer_selection, target_depth
 from dflash.model.load import load_target
 from dflash.model.pretrain import (
@@ -88,7 +89,8 @@ def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None
     remove_files(paths.TARGET_METRICS, paths.TARGET_DETAILS)
     with atomic_dir(paths.TARGET) as tmp:
         write_json_atomic(tmp / paths.TARGET_REFERENCE, reference)
-    write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, metrics, headline.TARGET)
+    details = TargetDetails.model_validate(metrics)
+    write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, details, TargetHeadline)
     logger.info(f"reference to {reference['path']} ({model.config.model_type})")
 
 
@@ -108,7 +110,8 @@ def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
     with atomic_dir(paths.TARGET) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-    write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, metrics, headline.TARGET)
+    details = TargetDetails.model_validate(metrics)
+    write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, details, TargetHeadline)
     logger.info(
         f"{metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "
         f"held-out perplexity {metrics.get('heldout_perplexity', float('nan')):.2f}"

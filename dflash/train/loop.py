@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash import headline, paths
+from dflash import paths
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
@@ -27,6 +27,7 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
+from dflash.metrics_schema import TrainDetails, TrainHeadline
 from dflash.model.attention import flex_available, flex_compiles
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_run
@@ -200,7 +201,8 @@ class Trainer:
             summary |= monitor.stability()
             export_run(self.drafter, self.config, self.target.config, summary, weights)
             summary["drafter_sha256"] = path_digest(paths.DRAFTER)
-            write_metrics(paths.TRAIN_METRICS, paths.TRAIN_DETAILS, summary, headline.TRAIN)
+            details = TrainDetails.model_validate(summary)
+            write_metrics(paths.TRAIN_METRICS, paths.TRAIN_DETAILS, details, TrainHeadline)
             monitor.finish(summary)
             logger.info(f"done: {json.dumps(summary)}")
         barrier(self.ctx)
