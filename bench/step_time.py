@@ -33,7 +33,7 @@ from train_throughput import build_longtail, shared_sets
 
 from dflash import paths
 from dflash.batching.io import Row
-from dflash.batching.plan import params_from_config
+from dflash.batching.planner import params_from_config
 from dflash.batching.strategies import STRATEGIES
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer

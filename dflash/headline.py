@@ -40,7 +40,7 @@ EVAL = (
     "heldout_loss_by_length.long",
 )
 """The contract keys of ``metrics/eval.json`` and the per-length losses that
-``bench/sweep_table.py`` tabulates; :func:`dflash.eval.live.eval_headline` adds the interval's
+``bench/sweep_table.py`` tabulates; :func:`dflash.eval.outputs.eval_headline` adds the interval's
 two ends, ``acceptance_length_ci95_low`` and ``_high``, as numbers DVC shows."""
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from dflash import paths
 from dflash.batching import io
-from dflash.batching.plan import run as plan_run
-from dflash.batching.stats import describe, main
-from dflash.batching.stats import run as stats_run
+from dflash.batching.length_stats import describe, main
+from dflash.batching.length_stats import run as stats_run
+from dflash.batching.planner import run as plan_run
 from dflash.batching.validate import validate_plans
 from dflash.params import from_dict
 from dflash.paths import PLAN_METRICS

@@ -6,7 +6,7 @@ import yaml
 from declaration import ROOT
 
 from dflash import headline, paths
-from dflash.eval.live import eval_headline
+from dflash.eval.outputs import eval_headline
 from dflash.headline import write_metrics
 
 MAX_LEAVES = 30

@@ -13,7 +13,7 @@ import pytest
 from conftest import run_stages
 
 from dflash import paths
-from dflash.batching import stats
+from dflash.batching import length_stats as stats
 from dflash.batching.params import PlanParams
 
 
@@ -39,7 +39,7 @@ def test_stats_are_replaced_whole(tmp_path, monkeypatch):
     out = tmp_path / "stats"
     stats.write_stats(lengths, 3, params, out)
     before = snapshot(out)
-    kill_on_call(monkeypatch, "dflash.batching.stats.plot_lengths")  # after three files
+    kill_on_call(monkeypatch, "dflash.batching.length_stats.plot_lengths")  # after three files
     with pytest.raises(Killed):
         stats.write_stats(lengths[:100], 3, params, out)
     assert snapshot(out) == before
@@ -63,7 +63,7 @@ def test_evaluate_leaves_no_old_metrics_beside_new_rows(tiny_workspace, monkeypa
     paths.EVAL_METRICS.parent.mkdir(parents=True, exist_ok=True)
     paths.EVAL_METRICS.write_text('{"acceptance_length": 9.9}\n')
     run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
-    kill_on_call(monkeypatch, "dflash.eval.live.write_json_atomic")  # metrics come last
+    kill_on_call(monkeypatch, "dflash.eval.outputs.write_json_atomic")  # metrics come last
     with pytest.raises(Killed):
         run_stages(tiny_workspace, ["evaluate"])
     assert not paths.EVAL_METRICS.exists()
@@ -78,16 +78,24 @@ def lengths_file(tmp_path):
 @pytest.mark.parametrize(
     "module, args, words",
     [
-        ("dflash.plan", ["--epochs", "0"], ["--epochs", "0", ">= 1"]),
-        ("dflash.plan", ["--num-buckets", "0", "--strategy", "bucketed"], ["--num-buckets", "0"]),
-        ("dflash.plan", ["--world-size", "-2"], ["--world-size", "-2", ">= 1"]),
-        ("dflash.stats", ["--num-buckets", "0"], ["--num-buckets", "0", ">= 1"]),
-        ("dflash.stats", ["--num-buckets", "2", "--token-budget", "x"], ["--token-budget", "'x'"]),
+        ("dflash.batching.planner", ["--epochs", "0"], ["--epochs", "0", ">= 1"]),
+        (
+            "dflash.batching.planner",
+            ["--num-buckets", "0", "--strategy", "bucketed"],
+            ["--num-buckets", "0"],
+        ),
+        ("dflash.batching.planner", ["--world-size", "-2"], ["--world-size", "-2", ">= 1"]),
+        ("dflash.batching.length_stats", ["--num-buckets", "0"], ["--num-buckets", "0", ">= 1"]),
+        (
+            "dflash.batching.length_stats",
+            ["--num-buckets", "2", "--token-budget", "x"],
+            ["--token-budget", "'x'"],
+        ),
     ],
 )
 def test_plan_and_stats_clis_reject_out_of_domain_values(tmp_path, module, args, words):
     base = ["--lengths", str(lengths_file(tmp_path)), "--out", str(tmp_path / "out")]
-    if module == "dflash.plan":
+    if module == "dflash.batching.planner":
         base += ["--max-seq-len", "64", "--max-batch-size", "4", "--token-budget", "256"]
         base += [] if "--strategy" in args else ["--strategy", "shuffle"]
     else:

@@ -19,7 +19,7 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.fileio import atomic_path, write_json_atomic
 from dflash.fingerprint import digest
 
-META_KEY = b"dflash.plan.meta"
+META_KEY = b"dflash.batching.planner.meta"
 
 SCHEMA = pa.schema(
     [

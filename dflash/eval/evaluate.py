@@ -23,11 +23,11 @@ from dflash.config import Config
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
 from dflash.eval.freshness import stale_drafter
 from dflash.eval.length_loss import loss_by_tercile, sample_loss
-from dflash.eval.live import write_eval_outputs
 from dflash.eval.loops import ends_in_loop
 from dflash.eval.lossless import classify
 from dflash.eval.metrics import acceptance_by_position, summarize_method, wall_seconds
 from dflash.eval.ngram import NgramProposer
+from dflash.eval.outputs import write_eval_outputs
 from dflash.eval.prompts import PromptSet, prompt_sets
 from dflash.eval.strata import strata
 from dflash.fingerprint import path_digest

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash import paths
 from dflash.model import remote
-from dflash.model.attention import AnchorBlocks, BlockMask, attend
+from dflash.model.drafter_attention import AnchorBlocks, BlockMask, attend
 from dflash.model.export import serving_keys
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
 
@@ -355,8 +355,9 @@ class DFlashDrafter(nn.Module):
 
         ``block_ids``/``block_positions`` are ``[B, Q]``; ``features`` ``[B, C, n*H]`` are target
         features at ``context_positions`` ``[B, C]`` (with a cache: only the new ones). ``mask``
-        is the training rule from :func:`~dflash.model.attention.build_attention_mask`, a dense
-        ``[B, Q, C + Q]`` boolean mask, or None: every slot sees everything.
+        is the training rule from
+        :func:`~dflash.model.drafter_attention.build_attention_mask`, a dense ``[B, Q, C + Q]``
+        boolean mask, or None: every slot sees everything.
         """
         c = self.config
         x = self.embed(block_ids)

@@ -26,8 +26,8 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
-from dflash.model.attention import flex_available, flex_compiles
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter_attention import flex_available, flex_compiles
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, load_target_shards, target_device_dtype

@@ -21,8 +21,8 @@ from typing import Any
 from dflash import paths
 from dflash.config import Config
 from dflash.declaration import declared_params
+from dflash.dvclive_logger import open_live
 from dflash.fileio import write_text_atomic
-from dflash.live import open_live
 from dflash.train.stability import is_spike, stability
 
 PLOT_COLUMNS = [

@@ -22,7 +22,7 @@ from dflash import paths
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import stop_token_ids
-from dflash.model.attention import build_attention_mask
+from dflash.model.drafter_attention import build_attention_mask
 from dflash.model.features import target_features
 from dflash.model.generate import greedy_generate
 from dflash.model.objective import block_labels

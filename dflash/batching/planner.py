@@ -158,11 +158,14 @@ def _headline(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dflash.plan [...]`` plans a lengths file; ``... validate DIR`` checks one."""
+    """``python -m dflash.batching.planner [...]`` plans a lengths file; ``... validate DIR``
+    checks one."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["validate"]:
         return _validate_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m dflash.plan", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.batching.planner", description=main.__doc__
+    )
     parser.add_argument("--lengths", required=True, help="Parquet file with a 'length' column")
     parser.add_argument("--strategy", required=True, choices=list(STRATEGIES))
     parser.add_argument("--token-budget", type=at_least(1), required=True)
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             params = replace(params, boundaries=edges)
         summary = write_plans(lengths, params, args.epochs, args.out)
     except (ValueError, OSError) as err:
-        print(f"dflash.plan: {err}", file=sys.stderr)
+        print(f"dflash.batching.planner: {err}", file=sys.stderr)
         return 2
     print(_headline(summary))
     return 0
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _validate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dflash.plan validate", description="check every invariant of a plan"
+        prog="python -m dflash.batching.planner validate",
+        description="check every invariant of a plan",
     )
     parser.add_argument("plans_dir")
     parser.add_argument("--lengths", required=True)
@@ -223,3 +227,7 @@ def _validate_main(argv: list[str]) -> int:
         return 1
     print(f"ok: {len(summary['epochs'])} epochs, {summary['n_steps']} steps, all invariants hold")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,10 +9,10 @@ an output, not a metrics file, so it adds no column to ``dvc exp show``.
 from __future__ import annotations
 
 from dflash import paths
+from dflash.dvclive_logger import open_live
 from dflash.eval.strata import scorecard_rows
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.headline import EVAL, headline
-from dflash.live import open_live
 
 LIVE_SUMMARY = (
     "acceptance_length",

@@ -22,7 +22,7 @@ from dflash.batching.errors import BatchingError
 from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import structure
 from dflash.batching.params import PlanParams
-from dflash.batching.plan import plan_epoch
+from dflash.batching.planner import plan_epoch
 from dflash.config import Config
 from dflash.fileio import atomic_dir, require_only, write_json_atomic
 from dflash.params import at_least
@@ -153,8 +153,11 @@ def _headline(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dflash.stats --lengths L.parquet --num-buckets K --token-budget N --out DIR``."""
-    parser = argparse.ArgumentParser(prog="python -m dflash.stats", description=__doc__)
+    """``python -m dflash.batching.length_stats --lengths L.parquet --num-buckets K
+    --token-budget N --out DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.batching.length_stats", description=__doc__
+    )
     parser.add_argument("--lengths", required=True, help="Parquet file with a 'length' column")
     parser.add_argument("--num-buckets", type=at_least(1), required=True)
     parser.add_argument("--token-budget", type=at_least(1), required=True)
@@ -174,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         report = write_stats(lengths, args.num_buckets, params, args.out)
     except (ValueError, OSError) as err:
-        print(f"dflash.stats: {err}", file=sys.stderr)
+        print(f"dflash.batching.length_stats: {err}", file=sys.stderr)
         return 2
     print(_headline(report))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
