@@ -12,15 +12,20 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from dflash import paths
+from dflash.batching.io import PLAN_SUMMARY as PLAN_SUMMARY_FILE
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
-from dflash.eval.freshness import stale_drafter
+from dflash.data.store import STORE_MANIFEST
 from dflash.eval.loops import text_ends_in_loop
 from dflash.eval.strata import scorecard_rows
+from dflash.freshness import stale_drafter
+from dflash.workspace import Workspace
 
-TOKENIZE_FILES = (paths.TOKENIZE_REPORT, paths.TOKEN_MANIFEST)
-PLAN_SUMMARY = paths.PLANS / paths.PLAN_SUMMARY
+NAMES = Workspace()
+"""The workspace's paths relative to its root."""
+
+TOKENIZE_FILES = (NAMES.tokenize_report, NAMES.tokenized / STORE_MANIFEST)
+PLAN_SUMMARY = NAMES.plans / PLAN_SUMMARY_FILE
 
 
 def read(root: Path, *rels: Path) -> dict | str:
@@ -186,7 +191,7 @@ def looping_turns(root: Path) -> int | None:
     against the regenerated turns.
     """
     try:
-        rows = read_conversations(root / paths.REGENERATED_CONVERSATIONS)
+        rows = read_conversations(root / NAMES.regenerated_conversations)
     except Exception:  # a report never raises: a missing or unreadable file shows n/a
         return None
     turns = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
@@ -308,7 +313,7 @@ def scorecard(d: dict) -> list[str]:
     try:
         flat = scorecard_rows(d)
     except (AttributeError, TypeError, KeyError):  # a hand-edited or partial file: no table
-        return [f"{'':13}unreadable strata in {paths.EVAL_DETAILS}"]
+        return [f"{'':13}unreadable strata in {NAMES.eval_details}"]
     for r in flat:
         ci = r.get("acceptance_length_ci95")
         pair = isinstance(ci, list) and len(ci) == 2
@@ -331,32 +336,32 @@ def section(label: str, stage: str, data: dict | str, lines: Any) -> list[str]:
 
 def render_report(root: Path) -> str:
     """The report for the pipeline outputs under ``root`` (the directory ``dvc repro`` ran in)."""
-    plan = read(root, paths.PLAN_METRICS, PLAN_SUMMARY)
+    plan = read(root, NAMES.plan_metrics, PLAN_SUMMARY)
     summary = read(root, PLAN_SUMMARY)
     meta = summary.get("meta") if isinstance(summary, dict) else None
     if isinstance(plan, dict) and isinstance(meta, dict):
         plan = {"strategy": meta.get("strategy"), **plan}
     tok = [d for d in (read(root, rel) for rel in TOKENIZE_FILES) if isinstance(d, dict)]
-    ev = read(root, paths.EVAL_DETAILS, paths.EVAL_METRICS)
+    ev = read(root, NAMES.eval_details, NAMES.eval_metrics)
     flags = [mismatch_flag(ev) if isinstance(ev, dict) else None, stale_drafter(root)]
     flags = [flag if flag.startswith("!!!") else f"!!! {flag} !!!" for flag in flags if flag]
     lines = ["dflash report", *[line for flag in flags for line in wrap(flag, 0)], ""]
-    lines += section("ingest", "ingest", read(root, paths.INGEST_REPORT), ingest)
-    regen = read(root, paths.REGENERATE_REPORT)
+    lines += section("ingest", "ingest", read(root, NAMES.ingest_report), ingest)
+    regen = read(root, NAMES.regenerate_report)
     lines += section("regenerate", "regenerate", regen, lambda d: regenerate(d, root))
     tok_data = {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
     lines += section("tokenize", "tokenize", tok_data, tokenize)
     lines += [
         "",
         *section(
-            "target", "target", read(root, paths.TARGET_DETAILS, paths.TARGET_METRICS), TARGET
+            "target", "target", read(root, NAMES.target_details, NAMES.target_metrics), TARGET
         ),
     ]
     lines += ["", *section("batching", "plan", plan, BATCHING)]
     lines += [
         "",
         *section(
-            "training", "train", read(root, paths.TRAIN_DETAILS, paths.TRAIN_METRICS), TRAINING
+            "training", "train", read(root, NAMES.train_details, NAMES.train_metrics), TRAINING
         ),
     ]
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
@@ -367,12 +372,13 @@ def render_report(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(config: Config) -> int:
-    """Print the report for the working directory; exit 1 when decoding was not lossless.
+def run(config: Config, workspace: Workspace) -> int:
+    """Print the report for the workspace; exit 1 when decoding was not lossless.
 
     The config is unused: every figure is read back from disk.
     """
-    print(render_report(Path.cwd()), end="")
-    evaluation = read(Path.cwd(), paths.EVAL_METRICS)
+    root = workspace.root.resolve()
+    print(render_report(root), end="")
+    evaluation = read(root, NAMES.eval_metrics)
     mismatches = evaluation.get("lossless_mismatches", 0) if isinstance(evaluation, dict) else 0
     return 1 if mismatches else 0

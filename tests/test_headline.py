@@ -5,16 +5,20 @@ import json
 import yaml
 from declaration import ROOT
 
-from dflash import headline, paths
+from dflash import headline
 from dflash.eval.outputs import eval_headline
 from dflash.headline import write_metrics
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 MAX_LEAVES = 30
 HEADLINES = {
-    paths.TARGET_METRICS: headline.TARGET,
-    paths.REGENERATE_METRICS: headline.REGENERATE,
-    paths.TRAIN_METRICS: headline.TRAIN,
-    paths.EVAL_METRICS: headline.EVAL,
+    WS.target_metrics: headline.TARGET,
+    WS.regenerate_metrics: headline.REGENERATE,
+    WS.train_metrics: headline.TRAIN,
+    WS.eval_metrics: headline.EVAL,
 }
 
 
@@ -54,7 +58,7 @@ def test_only_the_headline_files_are_declared_metrics():
 
 def test_the_declared_metrics_hold_at_most_30_leaves():
     shown = {p: headline.headline(full(keys), keys) for p, keys in HEADLINES.items()}
-    shown[paths.EVAL_METRICS] = eval_headline(full(headline.EVAL))
+    shown[WS.eval_metrics] = eval_headline(full(headline.EVAL))
     counts = {str(p): dvc_leaves(tree) for p, tree in shown.items()}
     assert sum(counts.values()) <= MAX_LEAVES, counts
 

@@ -23,8 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash import paths
-from dflash.model import remote
+from dflash.model import hf_files, remote
 from dflash.model.drafter_attention import AnchorBlocks, BlockMask, attend
 from dflash.model.export import serving_keys
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
@@ -311,19 +310,19 @@ class DFlashDrafter(nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.borrowed.embed_tokens.weight.dtype
         config = self.config.to_dict(target_config, dtype)
-        (directory / paths.DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (directory / hf_files.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         weights = self.state_dict() if weights is None else weights
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
-        save_file(state, directory / paths.DRAFTER_WEIGHTS, metadata={"format": "pt"})
-        shutil.copyfile(remote.__file__, directory / paths.DRAFTER_CODE)
+        save_file(state, directory / hf_files.WEIGHTS, metadata={"format": "pt"})
+        shutil.copyfile(remote.__file__, directory / hf_files.REMOTE_CODE)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: nn.Module) -> DFlashDrafter:
         directory = Path(directory)
-        config = DFlashConfig.from_dict(json.loads((directory / paths.DRAFTER_CONFIG).read_text()))
+        config = DFlashConfig.from_dict(json.loads((directory / hf_files.CONFIG).read_text()))
         drafter = cls._attach(config, target)
         # copied into fp32 parameters, as in training, whatever dtype the file holds
-        drafter.load_state_dict(load_file(directory / paths.DRAFTER_WEIGHTS), strict=True)
+        drafter.load_state_dict(load_file(directory / hf_files.WEIGHTS), strict=True)
         return drafter
 
     def embed(self, token_ids: Tensor) -> Tensor:
