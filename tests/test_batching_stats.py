@@ -16,10 +16,6 @@ from dflash.stages.plan import run as plan_run
 from dflash.stages.stats import run as stats_run
 from dflash.workspace import Workspace
 
-WS = Workspace()
-"""The workspace's paths relative to its root, as the stages run in it."""
-PLAN_METRICS = WS.plan_metrics
-
 
 def lengths_for_test(n: int = 3000) -> np.ndarray:
     rng = np.random.default_rng(1)
@@ -50,10 +46,10 @@ def test_cli_writes_every_output(tmp_path):
         assert 0 < entry["simulated_efficiency"] <= 1
 
 
-def test_stage_functions_plan_the_token_index(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_stage_functions_plan_the_token_index(tmp_path):
+    ws = Workspace(tmp_path)  # the stages read and write under it, whatever the cwd
     lengths = lengths_for_test()
-    (WS.tokenized / STORE_INDEX).parent.mkdir(parents=True)
+    (ws.tokenized / STORE_INDEX).parent.mkdir(parents=True)
     index = {
         "sample_id": np.arange(lengths.size),
         "offset": np.cumsum(lengths) - lengths,
@@ -61,7 +57,7 @@ def test_stage_functions_plan_the_token_index(tmp_path, monkeypatch):
         "n_loss_tokens": lengths // 2,
         "conversation_id": [f"c{i}" for i in range(lengths.size)],
     }
-    pq.write_table(pa.table(index), (WS.tokenized / STORE_INDEX))
+    pq.write_table(pa.table(index), (ws.tokenized / STORE_INDEX))
     config = from_dict(
         {
             "data": {"max_seq_len": 256},
@@ -69,15 +65,15 @@ def test_stage_functions_plan_the_token_index(tmp_path, monkeypatch):
             "train": {"epochs": 2, "world_size": 2, "grad_accum": 2},
         }
     )
-    stats_run(config, WS)
-    plan_run(config, WS)
-    summary = validate_plans(WS.plans, lengths)
-    buckets = json.loads((WS.stats / "buckets.json").read_text())
+    stats_run(config, ws)
+    plan_run(config, ws)
+    summary = validate_plans(ws.plans, lengths)
+    buckets = json.loads((ws.stats / "buckets.json").read_text())
     assert summary["meta"]["boundaries"] == buckets["quantile"]["boundaries"]
     assert summary["meta"]["world_size"] == 2 and summary["meta"]["epochs"] == 2
     assert all(
         not isinstance(v, dict | list) for k, v in summary.items() if k not in {"epochs", "meta"}
     )
-    assert io.read_epoch(io.epoch_path(WS.plans, 1))[1] == summary["meta"]
-    metrics = json.loads(PLAN_METRICS.read_text())
+    assert io.read_epoch(io.epoch_path(ws.plans, 1))[1] == summary["meta"]
+    metrics = json.loads(ws.plan_metrics.read_text())
     assert metrics["padding_efficiency"] == summary["padding_efficiency"] and "meta" not in metrics

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash import stages
 from dflash.config import (
     Config,
     DataConfig,
@@ -23,6 +22,9 @@ from dflash.data.chat import ChatTemplateError, encode_conversation, encode_conv
 from dflash.data.conversations import SCHEMA
 from dflash.data.store import TokenStore, TokenStoreWriter
 from dflash.data.tokenizer import INFO_FILE
+from dflash.stages import ingest as ingest_stage
+from dflash.stages import tokenize as tokenize_stage
+from dflash.stages import tokenizer as tokenizer_stage
 from dflash.workspace import Workspace
 
 WS = Workspace()
@@ -184,11 +186,11 @@ def test_stages_end_to_end(tmp_path, monkeypatch):
     config = stage_config(source, chunk_size=5)
     outputs = []
     for _ in range(2):
-        stages.ingest.run(config, WS)
-        stages.tokenizer.run(config, WS)
+        ingest_stage.run(config, WS)
+        tokenizer_stage.run(config, WS)
         WS.regenerated.mkdir(parents=True, exist_ok=True)
         WS.regenerated_conversations.write_bytes(WS.conversations.read_bytes())
-        stages.tokenize.run(config, WS)
+        tokenize_stage.run(config, WS)
         outputs.append({p.name: p.read_bytes() for p in sorted(WS.tokenized.iterdir())})
     assert outputs[0] == outputs[1]
     store = TokenStore(WS.tokenized)
@@ -260,22 +262,22 @@ def test_interrupted_stages_leave_their_old_outputs(tmp_path, monkeypatch):
     source.parent.mkdir(parents=True)
     source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(12)))
     config = stage_config(source)
-    stages.ingest.run(config, WS)
-    stages.tokenizer.run(config, WS)
+    ingest_stage.run(config, WS)
+    tokenizer_stage.run(config, WS)
     WS.regenerated.mkdir(parents=True, exist_ok=True)
     WS.regenerated_conversations.write_bytes(WS.conversations.read_bytes())
-    stages.tokenize.run(config, WS)
+    tokenize_stage.run(config, WS)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
     def die(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tokenizer, "write_json_atomic", die)
-    monkeypatch.setattr(tokenize, "write_json_atomic", die)
+    monkeypatch.setattr(tokenizer_stage, "write_json_atomic", die)
+    monkeypatch.setattr(tokenize_stage, "write_json_atomic", die)
     with pytest.raises(KeyboardInterrupt):
-        stages.tokenizer.run(stage_config(source, vocab_size=320), WS)
+        tokenizer_stage.run(stage_config(source, vocab_size=320), WS)
     with pytest.raises(KeyboardInterrupt):
-        stages.tokenize.run(stage_config(source, max_seq_len=64), WS)
+        tokenize_stage.run(stage_config(source, max_seq_len=64), WS)
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
 
@@ -286,8 +288,8 @@ def test_zero_samples_fails_with_the_report_and_writes_nothing(tmp_path, monkeyp
     source = tmp_path / "data/raw/chats.jsonl"
     source.parent.mkdir(parents=True)
     source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(3)))
-    stages.ingest.run(stage_config(source, eval_fraction=0.0), WS)
-    stages.tokenizer.run(stage_config(source), WS)
+    ingest_stage.run(stage_config(source, eval_fraction=0.0), WS)
+    tokenizer_stage.run(stage_config(source), WS)
     WS.regenerated.mkdir(parents=True, exist_ok=True)
     WS.regenerated_conversations.write_bytes(WS.conversations.read_bytes())
     config = Config(
@@ -295,7 +297,7 @@ def test_zero_samples_fails_with_the_report_and_writes_nothing(tmp_path, monkeyp
         tokenizer=TokenizerConfig(vocab_size=300),
         drafter=DrafterConfig(block_size=200),
     )
-    assert stages.tokenize.run(config, WS) == 1
+    assert tokenize_stage.run(config, WS) == 1
     err = capsys.readouterr().err
     report = json.loads(err[err.index("{") :])
     assert report["n_samples"] == 0 and report["dropped"]["too_few_loss_tokens"] == 3

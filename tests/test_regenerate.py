@@ -9,7 +9,6 @@ import pytest
 from conftest import run_stages
 
 from dflash.config import Config, DataConfig
-from dflash.data import regenerate
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.regenerate import answer_turns
 from dflash.data.tokenizer import IM_END, load_tokenizer
@@ -189,7 +188,7 @@ def test_an_interrupted_pass_through_leaves_old_conversations_and_no_report(tmp_
     def die(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(regenerate.shutil, "copyfile", die)
+    monkeypatch.setattr(regenerate_stage.shutil, "copyfile", die)
     with pytest.raises(KeyboardInterrupt):
         regenerate_stage.run(config, WS)
     assert (tmp_path / WS.regenerated_conversations).read_bytes() == old
