@@ -18,7 +18,7 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.fileio import atomic_path, write_json_atomic
 from dflash.fingerprint import digest
 
-META_KEY = b"dflash.batching.planner.meta"
+META_KEY = b"dflash.plan.meta"
 
 SCHEMA = pa.schema(
     [
