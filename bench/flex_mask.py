@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from dflash.model.attention import block_mask_mod, flex_block_mask
+from dflash.model.drafter_attention import block_mask_mod, flex_block_mask
 
 BUDGET_MIB, BUDGET_MS = 64, 50
 PAIR_SHAPE = (1024, 4, 64)

@@ -205,7 +205,7 @@ def kernel_checks(smoke: bool) -> list[Check]:
     import torch
     from flex_mask import layout, measure
 
-    from dflash.model.attention import flex_block_mask
+    from dflash.model.drafter_attention import flex_block_mask
 
     tokens, documents, anchors = (1024, 4, 64) if smoke else (8192, 4, 512)
     shape = layout(tokens, documents, anchors, 16)
@@ -307,7 +307,7 @@ def step_checks(smoke: bool) -> list[Check]:
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if flex
                 else contextlib.nullcontext())  # fmt: skip
     layer_ids = drafter.config.target_layer_ids
-    from dflash.model.attention import flex_compiles
+    from dflash.model.drafter_attention import flex_compiles
 
     if flex:
         torch.cuda.reset_peak_memory_stats()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.model.attention import CONTEXT_SCORES_PER_CHUNK, FLEX_TILE
+from dflash.model.drafter_attention import CONTEXT_SCORES_PER_CHUNK, FLEX_TILE
 from dflash.model.objective import chunk_rows
 
 MIB = 2**20

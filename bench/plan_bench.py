@@ -22,7 +22,7 @@ from dflash.batching.boundaries import METHODS, boundaries_by, predicted_efficie
 from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 from dflash.batching.metrics import WINDOW, epoch_metrics, overall, structure
 from dflash.batching.params import PlanParams
-from dflash.batching.plan import plan_epoch
+from dflash.batching.planner import plan_epoch
 from dflash.batching.strategies import STRATEGIES
 
 

@@ -24,15 +24,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dflash import paths
 from dflash.cli import run_stage
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.local_server import LocalServer
 from dflash.params import load_config
 from dflash.threads import set_cpu_threads
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
-INPUTS = (paths.TARGET, paths.TOKENIZER, paths.CONVERSATIONS)
+INPUTS = (WS.target, WS.tokenizer, WS.conversations)
 
 
 def stage(directory: Path, name: str, overrides: list[str]) -> dict:
@@ -43,7 +46,7 @@ def stage(directory: Path, name: str, overrides: list[str]) -> dict:
         run_stage(name, load_config(PARAMS, overrides))
     finally:
         os.chdir(cwd)
-    report = directory / paths.REGENERATE_REPORT
+    report = directory / WS.regenerate_report
     return json.loads(report.read_text()) if report.exists() else {}
 
 
@@ -51,11 +54,11 @@ def inputs(workspace: Path, scratch: Path, conversations: int) -> Path:
     """A folder holding the target, the tokenizer and ``conversations`` training rows."""
     out = scratch / "inputs"
     if all((workspace / p).exists() for p in INPUTS):
-        for p in (paths.TARGET, paths.TOKENIZER):
+        for p in (WS.target, WS.tokenizer):
             shutil.copytree(workspace / p, out / p)
-        rows = read_conversations(workspace / paths.CONVERSATIONS)
-        (out / paths.CONVERSATIONS).parent.mkdir(parents=True, exist_ok=True)
-        write_conversations(rows[:conversations], out / paths.CONVERSATIONS)
+        rows = read_conversations(workspace / WS.conversations)
+        (out / WS.conversations).parent.mkdir(parents=True, exist_ok=True)
+        write_conversations(rows[:conversations], out / WS.conversations)
         return out
     print(f"{workspace}: no trained target; building the default target, one epoch")
     out.mkdir()
@@ -86,7 +89,7 @@ def main() -> None:
         source = inputs(args.workspace.resolve(), scratch, args.conversations)
         rows.append(("in process", "-", measure(source, scratch, "in_process", [])))
         extra = ["--continuous-batching"] if args.continuous_batching else []
-        server = LocalServer(source / paths.TARGET, scratch / "serve.log", threads, extra)
+        server = LocalServer(source / WS.target, scratch / "serve.log", threads, extra)
         try:
             server.wait()
             for n in args.concurrency:

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 from train_throughput import build_longtail, shared_sets
 
-from dflash import paths
 from dflash.batching.io import Row
-from dflash.batching.plan import params_from_config
+from dflash.batching.planner import params_from_config
+from dflash.batching.stats_files import BUCKETS
 from dflash.batching.strategies import STRATEGIES
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
@@ -43,6 +43,10 @@ from dflash.model.load import load_target
 from dflash.params import load_config
 from dflash.train.batches import MicroBatch, build_micro_batch
 from dflash.train.step import drafter_loss
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("features", "drafter", "backward")
@@ -55,7 +59,7 @@ def micro_batches(
     """The micro-batches the ``strategy`` lays these samples out in at epoch 0, as plan rows
     ``(sample_id, offset, length)`` with the store's sample ids."""
     config = load_config(ROOT / "params.yaml", [*sets, f"batching.strategy={strategy}"])
-    params = params_from_config(config, sizes)
+    params = params_from_config(config, sizes, WS.stats / BUCKETS)
     layout = STRATEGIES[strategy](sizes, params, np.random.default_rng([params.seed, 0]))
     out: list[list[Row]] = []
     offset = 0
@@ -129,9 +133,9 @@ def compare(args: argparse.Namespace, sets: list[str], subset: int | None) -> No
     ``subset`` random samples (None: all)."""
     torch.set_num_threads(args.threads)
     config = load_config(ROOT / "params.yaml", sets)
-    store = TokenStore(paths.TOKENIZED)
-    tokenizer = load_tokenizer(paths.TOKENIZER)
-    target = load_target(paths.TARGET, device="cpu")  # frozen, as training has it
+    store = TokenStore(WS.tokenized)
+    tokenizer = load_tokenizer(WS.tokenizer)
+    target = load_target(WS.target, device="cpu")  # frozen, as training has it
     d = config.drafter
     drafter = DFlashDrafter.from_target(
         target,

@@ -16,13 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import paths
 from dflash.data import ingest
 from dflash.data.chitchat import load_chitchat
 from dflash.data.conversations import batch_rows, iter_batches
 from dflash.data.store import TokenStoreWriter
 from dflash.data.tokenize import Policy, tokenize_chunks, worker_count
 from dflash.data.tokenizer import corpus_texts, load_tokenizer, train_tokenizer
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 
 def main() -> None:
@@ -36,13 +39,19 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         records = enumerate((record for record, _ in load_chitchat()), start=1)
-        report = ingest.ingest(records, Path(tmp), eval_fraction=0.0, max_conversations=None)
-        conversations = Path(tmp) / paths.CONVERSATIONS.name
+        report = ingest.ingest(
+            records,
+            Path(tmp) / WS.conversations.name,
+            Path(tmp) / WS.heldout.name,
+            eval_fraction=0.0,
+            max_conversations=None,
+        )
+        conversations = Path(tmp) / WS.conversations.name
         n_train = report["kept"]["train"]
         print(f"chitchat: {report['records_read']} chats, {n_train} usable conversations")
-        if (paths.TOKENIZER / "tokenizer.json").exists():
-            tokenizer = load_tokenizer(paths.TOKENIZER)
-            print(f"tokenizer: {paths.TOKENIZER} ({len(tokenizer)} tokens)")
+        if (WS.tokenizer / "tokenizer.json").exists():
+            tokenizer = load_tokenizer(WS.tokenizer)
+            print(f"tokenizer: {WS.tokenizer} ({len(tokenizer)} tokens)")
         else:
             start = time.perf_counter()
             tokenizer = train_tokenizer(corpus_texts(conversations), args.vocab_size)

@@ -22,7 +22,6 @@ import torch
 from gpu_memory import GPUS, TARGETS
 from memory_model import Batch, drafter_flops_per_token, target_flops_per_token
 
-from dflash import paths
 from dflash.batching.io import epoch_path, read_rank_plan
 from dflash.data.store import TokenStore
 from dflash.model.drafter import DFlashDrafter
@@ -31,6 +30,10 @@ from dflash.model.load import load_target
 from dflash.params import load_config
 from dflash.train.batches import build_micro_batch
 from dflash.train.step import drafter_loss
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 
 def best_split(gpus: int, t_target: float, t_drafter: float) -> tuple[int, float]:
@@ -46,7 +49,7 @@ def measure(workspace: Path, micro_batches: int) -> tuple[float, float, int]:
     os.chdir(workspace)
     config = load_config("params.yaml")
     d = config.drafter
-    target = load_target(paths.TARGET, device="cpu")
+    target = load_target(WS.target, device="cpu")
     drafter = DFlashDrafter.from_target(
         target,
         block_size=d.block_size,
@@ -56,8 +59,8 @@ def measure(workspace: Path, micro_batches: int) -> tuple[float, float, int]:
     )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     layers = drafter.config.target_layer_ids
-    store = TokenStore(paths.TOKENIZED)
-    steps = read_rank_plan(epoch_path(paths.PLANS, 0), 0)
+    store = TokenStore(WS.tokenized)
+    steps = read_rank_plan(epoch_path(WS.plans, 0), 0)
     rows = [mb for step in steps for mb in step][:micro_batches]
     kwargs = dict(
         block_size=d.block_size,

@@ -17,6 +17,7 @@ from dflash.declaration import restrict, stages
 from dflash.errors import ConfigError, OutputError, UserError
 from dflash.fileio import exit_on_sigterm
 from dflash.params import load_config
+from dflash.workspace import Workspace
 
 SUMMARY = "Train a DFlash draft model for a target LLM: a command per pipeline stage, and report."
 EPILOG = """\
@@ -61,11 +62,13 @@ def resolve(stage: str):
     return getattr(importlib.import_module(module), func)
 
 
-def run_stage(stage: str, config: Config) -> int:
-    """Run ``stage`` on the params it declares, and on those only; its log lines name it."""
+def run_stage(stage: str, config: Config, workspace: Workspace | None = None) -> int:
+    """Run ``stage`` on the params it declares, and on those only, in ``workspace`` (by default
+    the working directory, where DVC runs stages); its log lines name it."""
     logs.setup(stage)
     declared = stages()[stage]
-    result = resolve(stage)(restrict(config, declared.params + declared.knobs))
+    restricted = restrict(config, declared.params + declared.knobs)
+    result = resolve(stage)(restricted, workspace or Workspace())
     return int(result or 0)
 
 

@@ -81,7 +81,7 @@ def closure(*starts: Path) -> frozenset[Path]:
 
 
 def module_closure(module: str) -> frozenset[Path]:
-    """``closure`` of a module named like ``dflash.train.launch``."""
+    """``closure`` of a module named like ``dflash.stages.train``."""
     path = module_file(module)
     if path is None:
         raise ModuleNotFoundError(f"{module} is no module of the project", name=module)

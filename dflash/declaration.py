@@ -29,7 +29,7 @@ COMMANDS = {"report": "dflash.report:run"}
 class Stage:
     name: str
     entry: str
-    """``module:function`` that runs the stage on its restricted ``Config``."""
+    """``module:function`` that runs the stage on its restricted ``Config`` and its workspace."""
     params: tuple[str, ...] = ()
     knobs: tuple[str, ...] = ()
 

@@ -23,7 +23,7 @@ from dflash.metrics_schema import (
 )
 
 CI_ENDS = ("acceptance_length_ci95_low", "acceptance_length_ci95_high")
-"""τ's interval as two numbers DVC shows, which :func:`dflash.eval.live.eval_headline` adds."""
+"""τ's interval as two numbers DVC shows, which :func:`dflash.eval.outputs.eval_headline` adds."""
 TARGET = leaves(TargetHeadline)
 REGENERATE = leaves(RegenerateHeadline)
 TRAIN = leaves(TrainHeadline)

@@ -7,8 +7,7 @@ default is a key the file holds only sometimes. Readers of a finished run valida
 ``dflash report`` also shows what a partial or hand-edited file holds (:func:`partial`).
 ``python -m dflash.metrics_schema docs/schemas`` writes their JSON Schemas.
 
-Only pydantic, the standard library and :mod:`dflash.paths` are imported: the report starts
-without torch.
+Only pydantic and the standard library are imported: the report starts without torch.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from dflash import paths
+SCHEMA_FILE = "{name}.schema.json"
+"""A schema's file name in the directory ``write_schemas`` fills (``docs/schemas``)."""
 
 
 class Metrics(BaseModel):
@@ -407,7 +407,7 @@ FILES: dict[str, type[Metrics]] = {
     "eval_details": EvalDetails,
     "eval": EvalHeadline,
 }
-"""Every file's model by the name of its schema under :data:`dflash.paths.SCHEMAS`."""
+"""Every file's model by the name of its schema under ``docs/schemas``."""
 
 
 def leaves(model: type[Metrics]) -> tuple[str, ...]:
@@ -497,8 +497,10 @@ def write_schemas(directory: Path) -> None:
     """One schema per file of :data:`FILES` under ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     for name, model in FILES.items():
-        (directory / paths.SCHEMA_FILE.format(name=name)).write_text(schema_text(model))
+        (directory / SCHEMA_FILE.format(name=name)).write_text(schema_text(model))
 
 
 if __name__ == "__main__":
-    write_schemas(Path(sys.argv[1]) if len(sys.argv) > 1 else paths.SCHEMAS)
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m dflash.metrics_schema DIR   (the project's: docs/schemas)")
+    write_schemas(Path(sys.argv[1]))

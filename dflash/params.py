@@ -17,11 +17,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from dflash import paths
 from dflash.config import SET_NAME, Config
 from dflash.errors import ConfigError
 from dflash.fileio import not_a_file
 from dflash.param_types import Located, SubkeyError
+from dflash.workspace import Workspace
+
+NAMES = Workspace()
+"""The workspace's paths as params name them: relative to the directory stages run in."""
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -128,7 +131,7 @@ def outside(root: Path) -> str:
     )
 
 
-def check_location(source: str, key: str = "data.source", root: Path = paths.RAW) -> None:
+def check_location(source: str, key: str = "data.source", root: Path = NAMES.raw) -> None:
     """A file source must lie under ``root``, which ``dvc.yaml`` tracks: elsewhere it could
     change unnoticed. Checked where params load from a file, not in the schema, so code and
     tests may point a ``DataConfig`` at any file."""
@@ -150,7 +153,7 @@ def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = 
     check_location(config.data.source)
     for name, spec in config.evaluate.sets.items():
         if spec.path is not None:
-            check_location(spec.path, f"evaluate.sets.{name}.path", paths.PROMPTS)
+            check_location(spec.path, f"evaluate.sets.{name}.path", NAMES.prompts)
     return config
 
 

@@ -13,15 +13,19 @@ import shutil
 import sys
 from pathlib import Path
 
-from dflash import paths
 from dflash.errors import DirectoryInUse, UserError
-from dflash.eval.freshness import stale_drafter
 from dflash.fileio import atomic_dir, exit_on_sigterm, require_only
 from dflash.fingerprint import path_digest
+from dflash.freshness import stale_drafter
 from dflash.metrics_schema import EvalDetails
+from dflash.model import hf_files
 from dflash.model.card import SCORECARD_HEADING, SCORECARD_NOTE, scorecard_section
+from dflash.workspace import Workspace
 
-EXPORT_FILES = (paths.DRAFTER_CONFIG, paths.DRAFTER_WEIGHTS, paths.DRAFTER_CODE, paths.DRAFTER_CARD)
+NAMES = Workspace()
+"""The workspace's paths relative to its root."""
+
+EXPORT_FILES = (hf_files.CONFIG, hf_files.WEIGHTS, hf_files.REMOTE_CODE, hf_files.MODEL_CARD)
 """What an export holds, hence a previous publish (with any other file the export now holds)."""
 
 
@@ -32,13 +36,13 @@ def scored_metrics(root: Path) -> EvalDetails:
     if stale:
         raise UserError(stale)
     try:
-        metrics = EvalDetails.model_validate_json((root / paths.EVAL_DETAILS).read_text())
+        metrics = EvalDetails.model_validate_json((root / NAMES.eval_details).read_text())
     except FileNotFoundError:
-        raise UserError(f"{paths.EVAL_DETAILS} is missing: {rerun}") from None
+        raise UserError(f"{NAMES.eval_details} is missing: {rerun}") from None
     except ValueError:  # not JSON, or not the file evaluate writes
-        raise UserError(f"{paths.EVAL_DETAILS} is unreadable: {rerun}") from None
-    if metrics.drafter_sha256 != path_digest(root / paths.DRAFTER):
-        raise UserError(f"{paths.EVAL_DETAILS} scored other weights than {paths.DRAFTER}: {rerun}")
+        raise UserError(f"{NAMES.eval_details} is unreadable: {rerun}") from None
+    if metrics.drafter_sha256 != path_digest(root / NAMES.drafter):
+        raise UserError(f"{NAMES.eval_details} scored other weights than {NAMES.drafter}: {rerun}")
     return metrics
 
 
@@ -46,16 +50,16 @@ def publish(root: Path, out: Path) -> None:
     """Copy the scored export with its scorecard to ``out``, whole or not at all.
 
     ``out`` must be absent, empty or a previous publish (:func:`require_publish_or_empty`)."""
-    source = root / paths.DRAFTER
+    source = root / NAMES.drafter
     require_publish_or_empty(out, root)
     metrics = scored_metrics(root)
     from dflash.eval.strata import scorecard_rows  # imports torch: not for --help or a refusal
 
     table = scorecard_rows(metrics)
-    card = (source / paths.DRAFTER_CARD).read_text().replace(SCORECARD_NOTE, "")
+    card = (source / hf_files.MODEL_CARD).read_text().replace(SCORECARD_NOTE, "")
     with atomic_dir(out) as tmp:
         shutil.copytree(source, tmp, dirs_exist_ok=True)
-        (tmp / paths.DRAFTER_CARD).write_text(f"{card}\n{scorecard_section(table)}")
+        (tmp / hf_files.MODEL_CARD).write_text(f"{card}\n{scorecard_section(table)}")
 
 
 def require_publish_or_empty(out: Path, root: Path) -> None:
@@ -66,17 +70,17 @@ def require_publish_or_empty(out: Path, root: Path) -> None:
     card that carries a scorecard: what this command wrote there before. The ``.tmp`` and
     ``.old`` directories the swap uses beside ``out`` may hold export files only.
     """
-    source = root / paths.DRAFTER
+    source = root / NAMES.drafter
     names = set(EXPORT_FILES)
     if source.is_dir():
         names.update(p.name for p in source.iterdir())
     require_only(out, sorted(names), workspace=root)
     for scratch in (out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")):
         require_only(scratch, sorted(names))
-    if out.is_dir() and any(out.iterdir()) and not _has_scorecard(out / paths.DRAFTER_CARD):
+    if out.is_dir() and any(out.iterdir()) and not _has_scorecard(out / hf_files.MODEL_CARD):
         raise DirectoryInUse(
             f"{out}: holds drafter files but no published card ({SCORECARD_HEADING} in "
-            f"{paths.DRAFTER_CARD}), so it is not a previous publish; nothing was written"
+            f"{hf_files.MODEL_CARD}), so it is not a previous publish; nothing was written"
         )
 
 
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as err:
         print(f"dflash publish: {err}", file=sys.stderr)
         return 2
-    print(f"dflash publish: {args.root / paths.DRAFTER} and its scorecard -> {args.out}")
+    print(f"dflash publish: {args.root / NAMES.drafter} and its scorecard -> {args.out}")
     return 0
 
 

@@ -13,14 +13,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dflash import metrics_schema as ms
-from dflash import paths
+from dflash.batching.io import PLAN_SUMMARY as PLAN_SUMMARY_FILE
 from dflash.config import HELDOUT_SET, Config
 from dflash.data.conversations import read_conversations
-from dflash.eval.freshness import stale_drafter
+from dflash.data.store import STORE_MANIFEST
 from dflash.eval.loops import text_ends_in_loop
 from dflash.eval.strata import scorecard_rows
+from dflash.freshness import stale_drafter
+from dflash.workspace import Workspace
 
-PLAN_SUMMARY = paths.PLANS / paths.PLAN_SUMMARY
+NAMES = Workspace()
+"""The workspace's paths relative to its root."""
+
+PLAN_SUMMARY = NAMES.plans / PLAN_SUMMARY_FILE
 M = TypeVar("M", bound=ms.Metrics)
 
 
@@ -190,7 +195,7 @@ def looping_turns(root: Path) -> int | None:
     against the regenerated turns.
     """
     try:
-        rows = read_conversations(root / paths.REGENERATED_CONVERSATIONS)
+        rows = read_conversations(root / NAMES.regenerated_conversations)
     except Exception:  # a report never raises: a missing or unreadable file shows n/a
         return None
     turns = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
@@ -317,7 +322,7 @@ def scorecard(d: ms.EvalDetails) -> list[str]:
     """Set x stratum: τ per response, its 95% interval, the n-gram baseline's τ, prompts."""
     out = [f"{'':13}{'set':<12}{'stratum':<16}{'tau':>6}{'95% CI':>13}{'n-gram':>8}{'n':>6}"]
     if unreadable_strata(d):  # a hand-edited or partial file: no table
-        return [f"{'':13}unreadable strata in {paths.EVAL_DETAILS}"]
+        return [f"{'':13}unreadable strata in {NAMES.eval_details}"]
     for r in scorecard_rows(d):
         ci = r.get("acceptance_length_ci95")
         pair = isinstance(ci, list) and len(ci) == 2
@@ -340,7 +345,7 @@ def section(label: str, stage: str, data: ms.Metrics | dict | str, lines: Any) -
 
 def batching(root: Path) -> dict[str, Any] | str:
     """The plan's figures, and its strategy from ``data/plans/summary.json``."""
-    plan = read(root, ms.PlanMetrics, paths.PLAN_METRICS, PLAN_SUMMARY)
+    plan = read(root, ms.PlanMetrics, NAMES.plan_metrics, PLAN_SUMMARY)
     summary = read(root, ms.PlanSummary, PLAN_SUMMARY)
     if isinstance(plan, str):
         return plan
@@ -350,26 +355,26 @@ def batching(root: Path) -> dict[str, Any] | str:
 
 def token_store(root: Path) -> dict[str, Any] | str:
     """The keys of the tokenize report over those of the store's manifest, either alone."""
-    report = read(root, ms.TokenizeReport, paths.TOKENIZE_REPORT)
-    manifest = read(root, ms.TokenManifest, paths.TOKEN_MANIFEST)
+    report = read(root, ms.TokenizeReport, NAMES.tokenize_report)
+    manifest = read(root, ms.TokenManifest, NAMES.tokenized / STORE_MANIFEST)
     tok = [d.present() for d in (report, manifest) if isinstance(d, ms.Metrics)]
     return {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
 
 
 def render_report(root: Path) -> str:
     """The report for the pipeline outputs under ``root`` (the directory ``dvc repro`` ran in)."""
-    ev = read(root, ms.EvalDetails, paths.EVAL_DETAILS, paths.EVAL_METRICS)
+    ev = read(root, ms.EvalDetails, NAMES.eval_details, NAMES.eval_metrics)
     flags = [None if isinstance(ev, str) else mismatch_flag(ev), stale_drafter(root)]
     flags = [flag if flag.startswith("!!!") else f"!!! {flag} !!!" for flag in flags if flag]
     lines = ["dflash report", *[line for flag in flags for line in wrap(flag, 0)], ""]
-    lines += section("ingest", "ingest", read(root, ms.IngestReport, paths.INGEST_REPORT), ingest)
-    regen = read(root, ms.RegenerateReport, paths.REGENERATE_REPORT)
+    lines += section("ingest", "ingest", read(root, ms.IngestReport, NAMES.ingest_report), ingest)
+    regen = read(root, ms.RegenerateReport, NAMES.regenerate_report)
     lines += section("regenerate", "regenerate", regen, lambda d: regenerate(d, root))
     lines += section("tokenize", "tokenize", token_store(root), tokenize)
-    target = read(root, ms.TargetDetails, paths.TARGET_DETAILS, paths.TARGET_METRICS)
+    target = read(root, ms.TargetDetails, NAMES.target_details, NAMES.target_metrics)
     lines += ["", *section("target", "target", target, TARGET)]
     lines += ["", *section("batching", "plan", batching(root), BATCHING)]
-    train = read(root, ms.TrainDetails, paths.TRAIN_DETAILS, paths.TRAIN_METRICS)
+    train = read(root, ms.TrainDetails, NAMES.train_details, NAMES.train_metrics)
     lines += ["", *section("training", "train", train, TRAINING)]
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
     if not isinstance(ev, str) and "strata" in ev.model_fields_set:
@@ -379,12 +384,13 @@ def render_report(root: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(config: Config) -> int:
-    """Print the report for the working directory; exit 1 when decoding was not lossless.
+def run(config: Config, workspace: Workspace) -> int:
+    """Print the report for the workspace; exit 1 when decoding was not lossless.
 
     The config is unused: every figure is read back from disk.
     """
-    print(render_report(Path.cwd()), end="")
-    evaluation = read(Path.cwd(), ms.EvalHeadline, paths.EVAL_METRICS)
+    root = workspace.root.resolve()
+    print(render_report(root), end="")
+    evaluation = read(root, ms.EvalHeadline, NAMES.eval_metrics)
     mismatches = 0 if isinstance(evaluation, str) else evaluation.lossless_mismatches
     return 1 if mismatches else 0

@@ -129,7 +129,7 @@ def main() -> None:
             sys.exit(f"dvc status after dvc repro: {sorted(stale(repo))} still changed")
         print(f"ok  dvc repro, then dvc status clean ({time.perf_counter() - began:.0f} s)")
         for module in (
-            "dflash/paths.py",
+            "dflash/workspace.py",
             "dflash/batching/io.py",
             "dflash/model/generate.py",
             "dflash/report.py",

@@ -7,7 +7,7 @@ import numpy as np
 from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 from dflash.batching.metrics import epoch_metrics
 from dflash.batching.params import PlanParams
-from dflash.batching.plan import plan_epoch
+from dflash.batching.planner import plan_epoch
 
 COST = CostModel(anchors_per_document=512, block_size=16, slot_cost=0.5)
 

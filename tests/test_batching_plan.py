@@ -24,7 +24,7 @@ from dflash.batching.layout import greedy_chunks
 from dflash.batching.lengths import read_lengths
 from dflash.batching.metrics import structure, window_ks
 from dflash.batching.params import PlanParams
-from dflash.batching.plan import main, plan_epoch, plan_meta, write_plans
+from dflash.batching.planner import main, plan_epoch, plan_meta, write_plans
 from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import check_epoch, validate_plans
 

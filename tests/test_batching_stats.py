@@ -7,14 +7,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash import paths
 from dflash.batching import io
-from dflash.batching.plan import run as plan_run
-from dflash.batching.stats import describe, main
-from dflash.batching.stats import run as stats_run
+from dflash.batching.length_stats import describe, main
 from dflash.batching.validate import validate_plans
+from dflash.data.store import STORE_INDEX
 from dflash.params import from_dict
-from dflash.paths import PLAN_METRICS
+from dflash.stages.plan import run as plan_run
+from dflash.stages.stats import run as stats_run
+from dflash.workspace import Workspace
 
 
 def lengths_for_test(n: int = 3000) -> np.ndarray:
@@ -46,10 +46,10 @@ def test_cli_writes_every_output(tmp_path):
         assert 0 < entry["simulated_efficiency"] <= 1
 
 
-def test_stage_functions_plan_the_token_index(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_stage_functions_plan_the_token_index(tmp_path):
+    ws = Workspace(tmp_path)  # the stages read and write under it, whatever the cwd
     lengths = lengths_for_test()
-    paths.TOKEN_INDEX.parent.mkdir(parents=True)
+    (ws.tokenized / STORE_INDEX).parent.mkdir(parents=True)
     index = {
         "sample_id": np.arange(lengths.size),
         "offset": np.cumsum(lengths) - lengths,
@@ -57,7 +57,7 @@ def test_stage_functions_plan_the_token_index(tmp_path, monkeypatch):
         "n_loss_tokens": lengths // 2,
         "conversation_id": [f"c{i}" for i in range(lengths.size)],
     }
-    pq.write_table(pa.table(index), paths.TOKEN_INDEX)
+    pq.write_table(pa.table(index), (ws.tokenized / STORE_INDEX))
     config = from_dict(
         {
             "data": {"max_seq_len": 256},
@@ -65,15 +65,15 @@ def test_stage_functions_plan_the_token_index(tmp_path, monkeypatch):
             "train": {"epochs": 2, "world_size": 2, "grad_accum": 2},
         }
     )
-    stats_run(config)
-    plan_run(config)
-    summary = validate_plans(paths.PLANS, lengths)
-    buckets = json.loads((paths.STATS / "buckets.json").read_text())
+    stats_run(config, ws)
+    plan_run(config, ws)
+    summary = validate_plans(ws.plans, lengths)
+    buckets = json.loads((ws.stats / "buckets.json").read_text())
     assert summary["meta"]["boundaries"] == buckets["quantile"]["boundaries"]
     assert summary["meta"]["world_size"] == 2 and summary["meta"]["epochs"] == 2
     assert all(
         not isinstance(v, dict | list) for k, v in summary.items() if k not in {"epochs", "meta"}
     )
-    assert io.read_epoch(io.epoch_path(paths.PLANS, 1))[1] == summary["meta"]
-    metrics = json.loads(PLAN_METRICS.read_text())
+    assert io.read_epoch(io.epoch_path(ws.plans, 1))[1] == summary["meta"]
+    metrics = json.loads(ws.plan_metrics.read_text())
     assert metrics["padding_efficiency"] == summary["padding_efficiency"] and "meta" not in metrics

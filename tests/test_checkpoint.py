@@ -12,12 +12,16 @@ import torch
 from conftest import run_stages
 from safetensors.torch import load_file
 
-from dflash import paths
 from dflash.model.export import export_drafter
 from dflash.params import load_config
+from dflash.stages.train import fingerprint
 from dflash.train import checkpoint
 from dflash.train.dcp_safe import SafeReader
 from dflash.train.state import TrainState, rng_state, set_rng_state
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 ONE_PROCESS = ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1000"]
 
@@ -31,7 +35,7 @@ def test_rng_state_round_trips_through_plain_types():
 
 def flip_a_token(workspace) -> None:
     """Change one token id in place: every length, count and the manifest stay the same."""
-    tokens = np.memmap(workspace / paths.TOKENIZED / "tokens.bin", dtype=np.uint32, mode="r+")
+    tokens = np.memmap(workspace / WS.tokenized / "tokens.bin", dtype=np.uint32, mode="r+")
     tokens[5] = tokens[5] + 1 if tokens[5] < 300 else tokens[5] - 1
     tokens.flush()
 
@@ -39,20 +43,20 @@ def flip_a_token(workspace) -> None:
 def test_fingerprint_covers_token_contents_not_counts(tiny_workspace):
     os.chdir(tiny_workspace)
     config = load_config("params.yaml")
-    before = checkpoint.run_fingerprint(config)
-    assert checkpoint.run_fingerprint(config) == before
+    before = fingerprint(config)
+    assert fingerprint(config) == before
     knobs = load_config("params.yaml", ["train.num_workers=3", "train.checkpoint_every=7"])
-    assert checkpoint.run_fingerprint(knobs) == before, "a knob must not start a run over"
+    assert fingerprint(knobs) == before, "a knob must not start a run over"
     flip_a_token(tiny_workspace)
-    assert checkpoint.run_fingerprint(config) != before
-    assert checkpoint.run_fingerprint(load_config("params.yaml", ["train.lr=1e-3"])) != before
+    assert fingerprint(config) != before
+    assert fingerprint(load_config("params.yaml", ["train.lr=1e-3"])) != before
 
 
 def test_changed_tokens_at_equal_lengths_start_fresh(tiny_workspace, capsys):
     """The stale-resume bug: a finished run must not be resumed after a tokenizer fix."""
     run_stages(tiny_workspace, ["plan", "train"], ONE_PROCESS)
-    first = load_file(tiny_workspace / paths.DRAFTER / "model.safetensors")
-    saved = checkpoint.list_checkpoints(tiny_workspace / paths.CHECKPOINTS)
+    first = load_file(tiny_workspace / WS.drafter / "model.safetensors")
+    saved = checkpoint.list_checkpoints(tiny_workspace / WS.checkpoints)
     assert saved, "the run ends with a checkpoint"
     index = SafeReader(saved[0]).read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in index} == {
@@ -69,7 +73,7 @@ def test_changed_tokens_at_equal_lengths_start_fresh(tiny_workspace, capsys):
     run_stages(tiny_workspace, ["train"], ONE_PROCESS)
     out = capsys.readouterr().out
     assert "starting fresh" in out and "resumed" not in out
-    again = load_file(tiny_workspace / paths.DRAFTER / "model.safetensors")
+    again = load_file(tiny_workspace / WS.drafter / "model.safetensors")
     assert any(not torch.equal(first[k], again[k]) for k in first)
 
 

@@ -7,12 +7,17 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash import cli, paths
+from dflash import cli
 from dflash.config import Config, DataConfig
 from dflash.data import conversations, ingest
 from dflash.data.chitchat import chat_to_record
 from dflash.data.conversations import ConversationWriter, read_conversations, write_conversations
 from dflash.data.records import BOM, RecordError, parse_record
+from dflash.stages import ingest as ingest_stage
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 PARAMS = Path(__file__).parents[1] / "params.yaml"
 
@@ -102,7 +107,7 @@ def test_jsonl_ingest_counts_every_skip_reason_with_line_numbers(tmp_path, monke
     source = raw_source(tmp_path, "in.jsonl")
     write_jsonl(source, lines)
     monkeypatch.chdir(tmp_path)
-    ingest.run(Config(data=DataConfig(source=str(source), eval_fraction=0.0)))
+    ingest_stage.run(Config(data=DataConfig(source=str(source), eval_fraction=0.0)), WS)
 
     report = json.loads((tmp_path / "data/ingested/ingest_report.json").read_text())
     skipped = {reason: entry["first_lines"] for reason, entry in report["skipped"].items()}
@@ -132,7 +137,7 @@ def test_parquet_source_with_both_schemas(tmp_path, monkeypatch):
     source = raw_source(tmp_path, "in.parquet")
     pq.write_table(pa.Table.from_pylist(rows), source)
     monkeypatch.chdir(tmp_path)
-    ingest.run(Config(data=DataConfig(source=str(source), eval_fraction=0.0)))
+    ingest_stage.run(Config(data=DataConfig(source=str(source), eval_fraction=0.0)), WS)
     report = json.loads((tmp_path / "data/ingested/ingest_report.json").read_text())
     assert report["kept"]["train"] == 2
     assert report["skipped"]["wrong_shape"] == {"count": 1, "first_lines": [3]}
@@ -146,7 +151,8 @@ def split(tmp_path, records, eval_fraction, max_conversations):
     """``ingest.ingest`` into a fresh directory, read back: ``(train, heldout, report)``."""
     out = tmp_path / f"out{len(list(tmp_path.iterdir()))}"
     out.mkdir()
-    report = ingest.ingest(records, out, eval_fraction, max_conversations)
+    train, heldout = out / "conversations.parquet", out / "heldout.parquet"
+    report = ingest.ingest(records, train, heldout, eval_fraction, max_conversations)
     assert sorted(p.name for p in out.iterdir()) == ["conversations.parquet", "heldout.parquet"]
     train = read_conversations(out / "conversations.parquet")
     return train, read_conversations(out / "heldout.parquet"), report
@@ -273,7 +279,7 @@ def test_bom_jsonl_and_tool_calls_round_trip_through_the_stage(tmp_path, monkeyp
     source.write_bytes(BOM + b"\n".join(json.dumps(r).encode() for r in (OPENAI, OPENAI_TOOLS)))
     monkeypatch.chdir(tmp_path)
     assert run_cli(source, "--set", "data.eval_fraction=0") == 0
-    train = read_conversations(tmp_path / paths.CONVERSATIONS)
+    train = read_conversations(tmp_path / WS.conversations)
     assert [c["messages"] for c in train] == [OPENAI["messages"], OPENAI_TOOL_MESSAGES]
 
 
@@ -283,7 +289,7 @@ def test_parquet_messages_column_of_json_strings_is_parsed(tmp_path, monkeypatch
     pq.write_table(pa.Table.from_pylist(rows), source)
     monkeypatch.chdir(tmp_path)
     assert run_cli(source, "--set", "data.eval_fraction=0") == 0
-    train = read_conversations(tmp_path / paths.CONVERSATIONS)
+    train = read_conversations(tmp_path / WS.conversations)
     assert [c["messages"] for c in train] == [OPENAI["messages"], OPENAI_TOOL_MESSAGES]
 
 
@@ -297,7 +303,7 @@ def test_no_usable_record_fails_with_the_report_and_writes_nothing(tmp_path, mon
     report = json.loads(err[err.index("{") :])
     assert report["skipped"]["invalid_json"] == {"count": 1, "first_lines": [1]}
     assert report["skipped"]["wrong_shape"] == {"count": 1, "first_lines": [2]}
-    assert not (tmp_path / paths.INGESTED).exists()
+    assert not (tmp_path / WS.ingested).exists()
 
 
 @pytest.mark.parametrize("name", ["missing.jsonl", "missing.parquet"])
@@ -313,7 +319,7 @@ def test_a_run_killed_between_writes_leaves_the_old_outputs(tmp_path, monkeypatc
     source.write_text("".join(json.dumps(r) + "\n" for r in numbered_records(40)))
     monkeypatch.chdir(tmp_path)
     assert run_cli(source, "--set", "data.eval_fraction=0.3") == 0
-    before = {p.name: p.read_bytes() for p in (tmp_path / paths.INGESTED).iterdir()}
+    before = {p.name: p.read_bytes() for p in (tmp_path / WS.ingested).iterdir()}
     source.write_text("".join(json.dumps(r) + "\n" for r in numbered_records(80)))
     closed = []
 
@@ -327,7 +333,7 @@ def test_a_run_killed_between_writes_leaves_the_old_outputs(tmp_path, monkeypatc
     monkeypatch.setattr(ConversationWriter, "close", close_then_die)
     with pytest.raises(KeyboardInterrupt):
         run_cli(source, "--set", "data.eval_fraction=0.3")
-    after = {p.name: p.read_bytes() for p in (tmp_path / paths.INGESTED).iterdir()}
+    after = {p.name: p.read_bytes() for p in (tmp_path / WS.ingested).iterdir()}
     assert after == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["ingested", "raw"]
@@ -352,14 +358,14 @@ def test_report_is_exact_across_many_row_groups(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cap = ["--set", "data.max_conversations=30", "--set", "data.eval_fraction=0.3"]
     assert run_cli(source, *cap) == 0
-    report = json.loads((tmp_path / paths.INGEST_REPORT).read_text())
+    report = json.loads((tmp_path / WS.ingest_report).read_text())
     duplicates = [n for n, line in enumerate(lines, 1) if line.startswith(b'{"messages"')]
     broken = [n for n, line in enumerate(lines, 1) if line == b"["]
     assert report["duplicates_removed"] == {"count": 9, "first_lines": duplicates[:5]}
     assert report["skipped"]["invalid_json"] == {"count": 6, "first_lines": broken[:5]}
     assert report["records_read"] == len(lines) == 75
-    heldout = read_conversations(tmp_path / paths.HELDOUT)
-    train = read_conversations(tmp_path / paths.CONVERSATIONS)
+    heldout = read_conversations(tmp_path / WS.heldout)
+    train = read_conversations(tmp_path / WS.conversations)
     assert report["kept"] == {"train": 30, "heldout": len(heldout)} and len(train) == 30
     assert report["left_out_by_max_conversations"] == 60 - len(heldout) - 30
-    assert pq.ParquetFile(tmp_path / paths.HELDOUT).metadata.num_row_groups > 1
+    assert pq.ParquetFile(tmp_path / WS.heldout).metadata.num_row_groups > 1

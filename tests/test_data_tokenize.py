@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash import paths
 from dflash.config import (
     Config,
     DataConfig,
@@ -18,10 +17,18 @@ from dflash.config import (
     RegenerateConfig,
     TokenizerConfig,
 )
-from dflash.data import ingest, tokenize, tokenizer
+from dflash.data import tokenize, tokenizer
 from dflash.data.chat import ChatTemplateError, encode_conversation, encode_conversations
 from dflash.data.conversations import SCHEMA
 from dflash.data.store import TokenStore, TokenStoreWriter
+from dflash.data.tokenizer import INFO_FILE
+from dflash.stages import ingest as ingest_stage
+from dflash.stages import tokenize as tokenize_stage
+from dflash.stages import tokenizer as tokenizer_stage
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 CHAT = [
     {"role": "system", "content": "You are terse."},
@@ -179,15 +186,15 @@ def test_stages_end_to_end(tmp_path, monkeypatch):
     config = stage_config(source, chunk_size=5)
     outputs = []
     for _ in range(2):
-        ingest.run(config)
-        tokenizer.run(config)
-        paths.REGENERATED.mkdir(parents=True, exist_ok=True)
-        paths.REGENERATED_CONVERSATIONS.write_bytes(paths.CONVERSATIONS.read_bytes())
-        tokenize.run(config)
-        outputs.append({p.name: p.read_bytes() for p in sorted(paths.TOKENIZED.iterdir())})
+        ingest_stage.run(config, WS)
+        tokenizer_stage.run(config, WS)
+        WS.regenerated.mkdir(parents=True, exist_ok=True)
+        WS.regenerated_conversations.write_bytes(WS.conversations.read_bytes())
+        tokenize_stage.run(config, WS)
+        outputs.append({p.name: p.read_bytes() for p in sorted(WS.tokenized.iterdir())})
     assert outputs[0] == outputs[1]
-    store = TokenStore(paths.TOKENIZED)
-    info = json.loads((paths.TOKENIZER / paths.TOKENIZER_INFO).read_text())
+    store = TokenStore(WS.tokenized)
+    info = json.loads((WS.tokenizer / INFO_FILE).read_text())
     assert store.manifest["tokenizer_hash"] == info["hash"]
     assert store.manifest["mask_token_id"] == info["mask_token_id"]
     assert len(store) > 0 and store.lengths.max() <= 48
@@ -255,22 +262,22 @@ def test_interrupted_stages_leave_their_old_outputs(tmp_path, monkeypatch):
     source.parent.mkdir(parents=True)
     source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(12)))
     config = stage_config(source)
-    ingest.run(config)
-    tokenizer.run(config)
-    paths.REGENERATED.mkdir(parents=True, exist_ok=True)
-    paths.REGENERATED_CONVERSATIONS.write_bytes(paths.CONVERSATIONS.read_bytes())
-    tokenize.run(config)
+    ingest_stage.run(config, WS)
+    tokenizer_stage.run(config, WS)
+    WS.regenerated.mkdir(parents=True, exist_ok=True)
+    WS.regenerated_conversations.write_bytes(WS.conversations.read_bytes())
+    tokenize_stage.run(config, WS)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
 
     def die(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(tokenizer, "write_json_atomic", die)
-    monkeypatch.setattr(tokenize, "write_json_atomic", die)
+    monkeypatch.setattr(tokenizer_stage, "write_json_atomic", die)
+    monkeypatch.setattr(tokenize_stage, "write_json_atomic", die)
     with pytest.raises(KeyboardInterrupt):
-        tokenizer.run(stage_config(source, vocab_size=320))
+        tokenizer_stage.run(stage_config(source, vocab_size=320), WS)
     with pytest.raises(KeyboardInterrupt):
-        tokenize.run(stage_config(source, max_seq_len=64))
+        tokenize_stage.run(stage_config(source, max_seq_len=64), WS)
     after = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     assert after == before
 
@@ -281,21 +288,21 @@ def test_zero_samples_fails_with_the_report_and_writes_nothing(tmp_path, monkeyp
     source = tmp_path / "data/raw/chats.jsonl"
     source.parent.mkdir(parents=True)
     source.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows(3)))
-    ingest.run(stage_config(source, eval_fraction=0.0))
-    tokenizer.run(stage_config(source))
-    paths.REGENERATED.mkdir(parents=True, exist_ok=True)
-    paths.REGENERATED_CONVERSATIONS.write_bytes(paths.CONVERSATIONS.read_bytes())
+    ingest_stage.run(stage_config(source, eval_fraction=0.0), WS)
+    tokenizer_stage.run(stage_config(source), WS)
+    WS.regenerated.mkdir(parents=True, exist_ok=True)
+    WS.regenerated_conversations.write_bytes(WS.conversations.read_bytes())
     config = Config(
         data=DataConfig(source=str(source), max_seq_len=512, regenerate=False),
         tokenizer=TokenizerConfig(vocab_size=300),
         drafter=DrafterConfig(block_size=200),
     )
-    assert tokenize.run(config) == 1
+    assert tokenize_stage.run(config, WS) == 1
     err = capsys.readouterr().err
     report = json.loads(err[err.index("{") :])
     assert report["n_samples"] == 0 and report["dropped"]["too_few_loss_tokens"] == 3
     assert report["assistant_turns"]["learned"] == 6
-    assert not paths.TOKENIZED.exists()
+    assert not WS.tokenized.exists()
 
 
 def test_turns_policy_and_template_options_reach_the_store(tiny, tmp_path):

@@ -7,11 +7,13 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dflash import paths
 from dflash.config import Config, TokenizerConfig
 from dflash.data import conversations
 from dflash.data import tokenizer as tok
 from dflash.data.conversations import write_conversations
+from dflash.data.tokenizer import INFO_FILE
+from dflash.stages import tokenizer as tokenizer_stage
+from dflash.workspace import Workspace
 
 TEXTS = [f"Hello number {i}, how are you doing today? I am fine, thanks." for i in range(50)]
 
@@ -74,19 +76,19 @@ def test_load_adds_missing_mask_token(tmp_path):
     assert not tok.add_mask_token(loaded)
 
 
-def test_stage_records_an_adopted_tokenizer(tmp_path, monkeypatch):
+def test_stage_records_an_adopted_tokenizer(tmp_path):
     foreign_tokenizer(tmp_path / "target_tok")
-    monkeypatch.chdir(tmp_path)
-    tok.run(Config(tokenizer=TokenizerConfig(path=str(tmp_path / "target_tok"))))
-    info = json.loads((paths.TOKENIZER / paths.TOKENIZER_INFO).read_text())
+    ws = Workspace(tmp_path / "ws")
+    tokenizer_stage.run(Config(tokenizer=TokenizerConfig(path=str(tmp_path / "target_tok"))), ws)
+    info = json.loads((ws.tokenizer / INFO_FILE).read_text())
     assert info["mask_token_added"] is True and info["source"].endswith("target_tok")
-    loaded = AutoTokenizer.from_pretrained(paths.TOKENIZER, local_files_only=True)
+    loaded = AutoTokenizer.from_pretrained(ws.tokenizer, local_files_only=True)
     assert loaded.convert_tokens_to_ids(tok.MASK_TOKEN) == info["mask_token_id"]
     assert tok.tokenizer_hash(loaded) == info["hash"]
 
 
-def test_stage_trains_on_the_training_split(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_stage_trains_on_the_training_split(tmp_path):
+    ws = Workspace(tmp_path)
     rows = [
         {
             "conversation_id": str(i),
@@ -97,15 +99,16 @@ def test_stage_trains_on_the_training_split(tmp_path, monkeypatch):
         }
         for i, text in enumerate(TEXTS)
     ]
-    write_conversations(rows, paths.CONVERSATIONS)
-    tok.run(Config(tokenizer=TokenizerConfig(vocab_size=300)))
-    info = json.loads((paths.TOKENIZER / paths.TOKENIZER_INFO).read_text())
+    ws.ingested.mkdir(parents=True)
+    write_conversations(rows, ws.conversations)
+    tokenizer_stage.run(Config(tokenizer=TokenizerConfig(vocab_size=300)), ws)
+    info = json.loads((ws.tokenizer / INFO_FILE).read_text())
     assert info["source"] == "trained" and info["mask_token_added"] is False
-    first = (paths.TOKENIZER / "tokenizer.json").read_bytes()
-    shutil.rmtree(paths.TOKENIZER)
-    tok.run(Config(tokenizer=TokenizerConfig(vocab_size=300)))
-    assert (paths.TOKENIZER / "tokenizer.json").read_bytes() == first
-    assert tok.tokenizer_hash(tok.load_tokenizer(paths.TOKENIZER)) == info["hash"]
+    first = (ws.tokenizer / "tokenizer.json").read_bytes()
+    shutil.rmtree(ws.tokenizer)
+    tokenizer_stage.run(Config(tokenizer=TokenizerConfig(vocab_size=300)), ws)
+    assert (ws.tokenizer / "tokenizer.json").read_bytes() == first
+    assert tok.tokenizer_hash(tok.load_tokenizer(ws.tokenizer)) == info["hash"]
 
 
 def test_corpus_is_read_one_row_group_at_a_time(tmp_path, monkeypatch):

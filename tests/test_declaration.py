@@ -61,7 +61,7 @@ def test_train_declares_only_what_changes_its_outputs():
 def test_a_read_of_an_undeclared_param_is_an_error(monkeypatch):
     seen = {}
 
-    def fake_ingest(config):
+    def fake_ingest(config, workspace):
         seen["source"] = config.data.source
         return config.train.lr
 
@@ -122,7 +122,7 @@ def test_the_library_never_imports_the_command_line():
 def test_a_docstring_edit_outside_a_closure_keeps_checkpoints_valid(tmp_path, monkeypatch):
     """Training checkpoints fingerprint the train stage's closure: report.py is not in it, so
     an edit there resumes; an edit in the training loop does not."""
-    from dflash.train.checkpoint import run_fingerprint
+    from dflash.stages.train import fingerprint as run_fingerprint
 
     shutil.copytree(ROOT / "dflash", tmp_path / "repo" / "dflash")
     monkeypatch.setattr(closure, "ROOT", tmp_path / "repo")
@@ -154,24 +154,46 @@ def test_stage_scripts_hold_no_path_hack():
         assert "sys.path" not in script.read_text(), script
 
 
-def test_file_names_live_in_paths():
-    """Outputs are named once, in dflash/paths.py; other modules use its constants."""
+FILE_NAME_HOMES = {
+    "dflash/workspace.py",  # every stage output, relative to the workspace
+    "dflash/batching/io.py",
+    "dflash/batching/stats_files.py",
+    "dflash/data/ingest.py",
+    "dflash/data/regenerate.py",
+    "dflash/data/store.py",
+    "dflash/data/tokenizer.py",
+    "dflash/model/hf_files.py",
+    "dflash/model/load.py",
+    "dflash/train/checkpoint.py",
+}
+"""The workspace, and the modules that own a format's file names (its files, in any directory)."""
+
+
+def test_file_names_live_in_their_homes():
+    """Outputs are named once: the workspace's in dflash/workspace.py, a format's own files in
+    the module that writes the format; others use their constants."""
     import re
 
     directories = r"[\"'](data|models|metrics|plots|checkpoints)/"
     file_names = r"[\"'][\w*{}:.-]+\.(json|jsonl|parquet|bin|safetensors|pt|csv|png)[\"']"
     pattern = re.compile(f"{directories}|{file_names}")
-    offenders = [
-        str(p.relative_to(ROOT))
-        for p in (ROOT / "dflash").rglob("*.py")
-        if p.name != "paths.py" and pattern.search(p.read_text())
-    ]
+    homes: dict[str, list[str]] = {}
+    offenders = []
+    for p in sorted((ROOT / "dflash").rglob("*.py")):
+        name = str(p.relative_to(ROOT))
+        found = [m.group(0) for m in pattern.finditer(p.read_text())]
+        if found and name not in FILE_NAME_HOMES:
+            offenders.append(name)
+        if name != "dflash/workspace.py":
+            for literal in set(found):
+                homes.setdefault(literal, []).append(name)
     assert not offenders, offenders
+    assert not {k: v for k, v in homes.items() if len(v) > 1}, "a file name with two homes"
 
 
 def test_declaration_helper_sees_lazy_imports():
     modules = stage_closure("train")
-    assert Path("dflash/train/loop.py") in modules  # imported inside launch.run
+    assert Path("dflash/train/loop.py") in modules  # imported inside the stage's _rank
 
 
 def test_every_from_pretrained_stays_local():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 from conftest import WORDS, run_stages, tiny_qwen3
@@ -128,7 +129,9 @@ def test_a_prompt_file_counts_what_it_cannot_use_and_scores_questions_at_their_e
 ):
     monkeypatch.chdir(tiny_workspace)
     write_prompt_set(tiny_workspace, "set.jsonl")
-    conversations, records = read_prompt_file("data/prompts/set.jsonl", "evaluate.sets.s.path")
+    conversations, records = read_prompt_file(
+        "data/prompts/set.jsonl", "evaluate.sets.s.path", (Path("data/prompts"), Path(".dvc/cache"))
+    )
     assert len(conversations) == 6
     assert records == {
         "records_read": 9,

@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash import paths
 from dflash.train.lock import workspace_lock
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 HEAVY = "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
@@ -48,6 +51,6 @@ def test_publish_help_and_refusal_load_no_torch(tmp_path):
 def test_a_refused_second_training_run_loads_no_torch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = f"from dflash import cli\nassert cli.main(['train', '--params', {str(PARAMS)!r}]) == 2"
-    with workspace_lock(paths.TRAIN_LOCK):
+    with workspace_lock(WS.train_lock):
         out = heavy_modules_after(code, tmp_path)
     assert out.startswith("[]") and "another training run" in out

@@ -7,7 +7,7 @@ import yaml
 from declaration import ROOT
 from pydantic import BaseModel
 
-from dflash import headline, paths
+from dflash import headline
 from dflash.headline import write_metrics
 from dflash.metrics_schema import (
     EvalHeadline,
@@ -17,13 +17,17 @@ from dflash.metrics_schema import (
     TrainHeadline,
     leaves,
 )
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 MAX_LEAVES = 30
 HEADLINES = {
-    paths.TARGET_METRICS: TargetHeadline,
-    paths.REGENERATE_METRICS: RegenerateHeadline,
-    paths.TRAIN_METRICS: TrainHeadline,
-    paths.EVAL_METRICS: EvalHeadline,
+    WS.target_metrics: TargetHeadline,
+    WS.regenerate_metrics: RegenerateHeadline,
+    WS.train_metrics: TrainHeadline,
+    WS.eval_metrics: EvalHeadline,
 }
 
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-from dflash import cli, paths
+from dflash import cli
 from dflash.data import ingest
 from dflash.data.conversations import read_conversations
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 GOOD = [
     {
@@ -38,7 +43,7 @@ def lines(*records) -> bytes:
 
 
 def report() -> dict:
-    return json.loads(paths.INGEST_REPORT.read_text())
+    return json.loads(WS.ingest_report.read_text())
 
 
 def test_deep_nesting_among_good_records_is_counted_and_the_good_kept(tmp_path, monkeypatch):
@@ -47,7 +52,7 @@ def test_deep_nesting_among_good_records_is_counted_and_the_good_kept(tmp_path, 
     (tmp_path / source).write_bytes(lines(*GOOD[:4], deep, *GOOD[4:]))
     assert cli.main(["ingest"]) == 0
     assert report()["skipped"]["too_deep"] == {"count": 1, "first_lines": [5]}
-    assert len(read_conversations(paths.CONVERSATIONS)) == len(GOOD)
+    assert len(read_conversations(WS.conversations)) == len(GOOD)
 
 
 def test_overlong_lines_are_counted_and_skipped_unread(tmp_path, monkeypatch):
@@ -81,7 +86,7 @@ def test_a_parquet_source_that_is_not_parquet_is_a_clear_error(
     err = capsys.readouterr().err
     assert source in err and "not a readable Parquet file" in err
     assert "Traceback" not in err and err.count("\n") == 1
-    assert not paths.INGESTED.exists()
+    assert not WS.ingested.exists()
 
 
 def test_a_link_out_of_data_raw_is_refused_like_a_path_outside(tmp_path, monkeypatch, capsys):
@@ -93,7 +98,7 @@ def test_a_link_out_of_data_raw_is_refused_like_a_path_outside(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "must lie under data/raw/" in err and "dvc import-url" in err and "dvc add" in err
     assert str(outside) in err and "Traceback" not in err
-    assert not paths.INGESTED.exists()
+    assert not WS.ingested.exists()
     assert cli.main(["ingest", "--set", "data.source=/tmp/x.jsonl"]) == 2
     assert "must lie under data/raw/" in capsys.readouterr().err
 
@@ -124,7 +129,7 @@ def test_lone_surrogates_are_invalid_utf8_and_dropped(tmp_path, monkeypatch):
     (tmp_path / source).write_bytes(lines(GOOD[0], *LONE_SURROGATES, PAIR, GOOD[1]))
     assert cli.main(["ingest"]) == 0
     assert report()["skipped"]["invalid_utf8"] == {"count": 3, "first_lines": [2, 3, 4]}
-    kept = read_conversations(paths.CONVERSATIONS)
+    kept = read_conversations(WS.conversations)
     assert [c["messages"][0]["content"] for c in kept] == ["q0", "\U0001f600", "q1"]
 
 
@@ -134,7 +139,9 @@ def test_a_prompt_set_counts_lone_surrogates_as_invalid_utf8(tmp_path, monkeypat
     (tmp_path / "data/prompts").mkdir(parents=True)
     (tmp_path / "data/prompts/set.jsonl").write_bytes(lines(GOOD[0], *LONE_SURROGATES))
     monkeypatch.chdir(tmp_path)
-    conversations, records = read_prompt_file("data/prompts/set.jsonl", "evaluate.sets.s.path")
+    conversations, records = read_prompt_file(
+        "data/prompts/set.jsonl", "evaluate.sets.s.path", (Path("data/prompts"), Path(".dvc/cache"))
+    )
     assert len(conversations) == 1
     assert records["records_read"] == 4 and records["skipped"] == {"invalid_utf8": 3}
 
@@ -162,4 +169,4 @@ def test_a_directory_or_fifo_source_says_what_it_is(tmp_path, monkeypatch, capsy
         err = capsys.readouterr().err
         assert f"data.source = 'data/raw/{name}': " in err and words in err
         assert "Traceback" not in err
-    assert not paths.INGESTED.exists()
+    assert not WS.ingested.exists()

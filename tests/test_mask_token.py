@@ -10,11 +10,16 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from dflash import paths
 from dflash.config import Config, DrafterConfig, TokenizerConfig
 from dflash.data import tokenizer as tok
+from dflash.data.tokenizer import INFO_FILE
 from dflash.errors import ConfigError
 from dflash.params import load_config
+from dflash.stages import tokenizer as tokenizer_stage
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 RESERVED = "<|reserved_special_token_0|>"
 
@@ -43,14 +48,14 @@ def adopt(tmp_path, monkeypatch, mask_token):
         tokenizer=TokenizerConfig(path=str(tmp_path / "target_tok")),
         drafter=DrafterConfig(mask_token=mask_token),
     )
-    tok.run(config)
+    tokenizer_stage.run(config, WS)
     return size
 
 
 def test_a_reserved_token_is_used_and_nothing_is_appended(tmp_path, monkeypatch):
     size = adopt(tmp_path, monkeypatch, RESERVED)
-    info = json.loads((paths.TOKENIZER / paths.TOKENIZER_INFO).read_text())
-    loaded = tok.load_tokenizer(paths.TOKENIZER)
+    info = json.loads((WS.tokenizer / INFO_FILE).read_text())
+    loaded = tok.load_tokenizer(WS.tokenizer)
     assert len(loaded) == size == info["vocab_size"]
     assert info["mask_token"] == RESERVED and info["mask_token_added"] is False
     assert loaded.mask_token_id == info["mask_token_id"] == loaded.convert_tokens_to_ids(RESERVED)
@@ -59,7 +64,7 @@ def test_a_reserved_token_is_used_and_nothing_is_appended(tmp_path, monkeypatch)
 
 def test_without_it_mask_is_appended_as_before(tmp_path, monkeypatch):
     size = adopt(tmp_path, monkeypatch, None)
-    loaded = tok.load_tokenizer(paths.TOKENIZER)
+    loaded = tok.load_tokenizer(WS.tokenizer)
     assert len(loaded) == size + 1 and loaded.mask_token == tok.MASK_TOKEN
 
 

@@ -11,25 +11,30 @@ from pathlib import Path
 from declaration import ROOT
 
 from dflash import metrics_schema as ms
-from dflash import paths
+from dflash.batching.io import PLAN_SUMMARY
+from dflash.data.store import STORE_MANIFEST
+from dflash.workspace import Workspace
+
+WS = Workspace(Path())
+SCHEMAS = Path("docs/schemas")
 
 DATA_FILES = {
-    paths.INGEST_REPORT: (ms.IngestReport, False),
-    paths.TOKEN_MANIFEST: (ms.TokenManifest, False),
-    paths.TOKENIZE_REPORT: (ms.TokenizeReport, False),
-    paths.REGENERATE_REPORT: (ms.RegenerateReport, True),
-    paths.REGENERATE_METRICS: (ms.RegenerateHeadline, True),
-    paths.TARGET_DETAILS: (ms.TargetDetails, True),
-    paths.TARGET_METRICS: (ms.TargetHeadline, True),
-    paths.PLANS / paths.PLAN_SUMMARY: (ms.PlanSummary, False),
-    paths.PLAN_METRICS: (ms.PlanMetrics, False),
+    WS.ingest_report: (ms.IngestReport, False),
+    WS.tokenized / STORE_MANIFEST: (ms.TokenManifest, False),
+    WS.tokenize_report: (ms.TokenizeReport, False),
+    WS.regenerate_report: (ms.RegenerateReport, True),
+    WS.regenerate_metrics: (ms.RegenerateHeadline, True),
+    WS.target_details: (ms.TargetDetails, True),
+    WS.target_metrics: (ms.TargetHeadline, True),
+    WS.plans / PLAN_SUMMARY: (ms.PlanSummary, False),
+    WS.plan_metrics: (ms.PlanMetrics, False),
 }
 """Every file the data stages write, its model and whether its writer sorts its keys."""
 RUN_FILES = {
-    paths.TRAIN_DETAILS: (ms.TrainDetails, True),
-    paths.TRAIN_METRICS: (ms.TrainHeadline, True),
-    paths.EVAL_DETAILS: (ms.EvalDetails, True),
-    paths.EVAL_METRICS: (ms.EvalHeadline, True),
+    WS.train_details: (ms.TrainDetails, True),
+    WS.train_metrics: (ms.TrainHeadline, True),
+    WS.eval_details: (ms.EvalDetails, True),
+    WS.eval_metrics: (ms.EvalHeadline, True),
 }
 """The files of ``train`` and ``evaluate``."""
 
@@ -48,11 +53,11 @@ def test_every_file_of_the_data_stages_round_trips(tiny_workspace_template):
 
 
 def test_every_file_has_a_schema_and_the_committed_schemas_are_current():
-    directory = ROOT / paths.SCHEMAS
-    expected = {paths.SCHEMA_FILE.format(name=name): m for name, m in ms.FILES.items()}
+    directory = ROOT / SCHEMAS
+    expected = {ms.SCHEMA_FILE.format(name=name): m for name, m in ms.FILES.items()}
     assert sorted(p.name for p in directory.iterdir()) == sorted(expected)
     stale = [n for n, m in expected.items() if (directory / n).read_text() != ms.schema_text(m)]
-    assert not stale, f"{stale} are stale: python -m dflash.metrics_schema {paths.SCHEMAS}"
+    assert not stale, f"{stale} are stale: python -m dflash.metrics_schema {SCHEMAS}"
     models = {m for m, _ in [*DATA_FILES.values(), *RUN_FILES.values()]}
     assert models == set(ms.FILES.values())
 

@@ -11,7 +11,7 @@ import transformers as tf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dflash.model import document_attention
+from dflash.model import target_attention
 from dflash.model.features import decoder_layers, select_features, target_features
 from dflash.model.mixing import by_document_rows, mixers, pointwise, unconfined
 from dflash.train.parallel import shard_target
@@ -135,18 +135,18 @@ def alone(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 def path_taken(model, ids, pos, docs, monkeypatch) -> str:
     ran = []
-    kernel = document_attention.attention
+    kernel = target_attention.attention
 
     def spy(*args, **kwargs):
         ran.append(True)
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(document_attention, "attention", spy)
-    tf.AttentionInterface.register(document_attention.NAME, spy)
+    monkeypatch.setattr(target_attention, "attention", spy)
+    tf.AttentionInterface.register(target_attention.NAME, spy)
     try:
         target_features(model, ids, pos, docs, LAYERS)
     finally:
-        tf.AttentionInterface.register(document_attention.NAME, kernel)
+        tf.AttentionInterface.register(target_attention.NAME, kernel)
     return "documents" if ran and not unconfined(model, decoder_layers(model), 3) else "rows"
 
 
@@ -163,8 +163,8 @@ def test_a_packed_row_gives_each_document_its_own_features(name, monkeypatch):
 @pytest.mark.parametrize("name", ["gpt_oss", "gemma3"])
 def test_small_tiles_and_length_classes_change_nothing(name, monkeypatch):
     """Tiles of several key widths and documents in several length classes, sinks included."""
-    monkeypatch.setattr(document_attention, "QUERY_TILE", 4)
-    monkeypatch.setattr(document_attention, "LENGTH_STEP", 4)
+    monkeypatch.setattr(target_attention, "QUERY_TILE", 4)
+    monkeypatch.setattr(target_attention, "LENGTH_STEP", 4)
     model = build(name)
     ids, pos, docs = packed_row(model.config.vocab_size)
     got = target_features(model, ids, pos, docs, LAYERS)
@@ -216,7 +216,7 @@ def test_an_unknown_module_is_a_mixer():
 
 def test_document_rows_put_every_feature_back_in_place(monkeypatch):
     """Rows of documents, padding between and after: each slot gets its own document's output."""
-    monkeypatch.setattr(document_attention, "LENGTH_STEP", 4)
+    monkeypatch.setattr(target_attention, "LENGTH_STEP", 4)
     docs = torch.tensor([[0, 0, 0, 1, 1, -1, 2, 2, 2, 2, 2, -1], [0] * 5 + [1] * 6 + [-1]])
     ids = torch.arange(docs.numel()).view(docs.shape)
     seen = []
@@ -230,7 +230,7 @@ def test_document_rows_put_every_feature_back_in_place(monkeypatch):
     got = by_document_rows(run, ids, docs)
     real = docs >= 0
     assert torch.equal(got[..., 0], ids * real)
-    starts = document_attention.DocumentLayout.of(docs).starts
+    starts = target_attention.DocumentLayout.of(docs).starts
     assert torch.equal(got[..., 1], (torch.arange(12) - starts) * real)
     assert len(seen) == 2  # widths 4 and 8
 

@@ -7,14 +7,14 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_qwen3
 
-from dflash.model import document_attention
-from dflash.model.document_attention import NAME, DocumentLayout, document_classes, tile_keys
+from dflash.model import target_attention
 from dflash.model.features import (
     decoder_layers,
     one_document_per_row,
     select_features,
     target_features,
 )
+from dflash.model.target_attention import NAME, DocumentLayout, document_classes, tile_keys
 
 LAYERS = [1, 3]
 
@@ -69,7 +69,7 @@ def equal_rows():
 @pytest.mark.parametrize("step", [64, 4, 1], ids=["step64", "step4-classes", "step1-exact-classes"])
 @pytest.mark.parametrize("rows", [padded_rows, packed_rows, equal_rows])
 def test_same_features_as_the_whole_stack(target, rows, step, monkeypatch):
-    monkeypatch.setattr(document_attention, "LENGTH_STEP", step)  # 4: several length classes
+    monkeypatch.setattr(target_attention, "LENGTH_STEP", step)  # 4: several length classes
     ids, pos, docs = rows()
     got = target_features(target, ids, pos, docs, LAYERS)
     want = reference_features(target, ids, pos, docs, LAYERS)

@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import tiny_qwen3
 
-from dflash.model.attention import block_mask_mod, build_block_mask, dense_attention
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter_attention import block_mask_mod, build_block_mask, dense_attention
 
 BS = 3
 T = 10
@@ -150,7 +150,7 @@ def _layouts(gen: torch.Generator):
 
 def test_flex_mask_from_tiles_matches_the_dense_rule_pair_by_pair():
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from dflash.model.attention import flex_block_mask
+    from dflash.model.drafter_attention import flex_block_mask
 
     gen = torch.Generator().manual_seed(0)
     for T, bs, anchors, docs in _layouts(gen):
@@ -163,7 +163,7 @@ def test_flex_mask_from_tiles_skips_and_fills_whole_tiles():
     """Tiles nobody sees are left out and wholly seen ones need no ``mask_mod``: one document of
     1024 tokens, 8 anchors a query tile, all at its end."""
     pytest.importorskip("torch.nn.attention.flex_attention")
-    from dflash.model.attention import flex_block_mask
+    from dflash.model.drafter_attention import flex_block_mask
 
     T, bs = 1024, 16
     anchors = torch.arange(1000, 1016)[None]

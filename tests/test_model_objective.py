@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from conftest import tiny_qwen3
 from transformers import Qwen3ForCausalLM
 
-from dflash.model import attention, objective
 from dflash.model import drafter as drafter_module
+from dflash.model import drafter_attention as attention
+from dflash.model import objective
 from dflash.model.anchors import sample_anchors
-from dflash.model.attention import build_block_mask
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter_attention import build_block_mask
 from dflash.model.features import target_features
 from dflash.model.layer_ids import target_layer_ids
 from dflash.model.objective import block_labels, decay_weights, dflash_objective

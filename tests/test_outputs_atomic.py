@@ -12,9 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import run_stages
 
-from dflash import paths
-from dflash.batching import stats
+from dflash.batching import length_stats as stats
 from dflash.batching.params import PlanParams
+from dflash.model import hf_files
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 
 class Killed(BaseException):
@@ -39,7 +43,7 @@ def test_stats_are_replaced_whole(tmp_path, monkeypatch):
     out = tmp_path / "stats"
     stats.write_stats(lengths, 3, params, out)
     before = snapshot(out)
-    kill_on_call(monkeypatch, "dflash.batching.stats.plot_lengths")  # after three files
+    kill_on_call(monkeypatch, "dflash.batching.length_stats.plot_lengths")  # after three files
     with pytest.raises(Killed):
         stats.write_stats(lengths[:100], 3, params, out)
     assert snapshot(out) == before
@@ -48,25 +52,25 @@ def test_stats_are_replaced_whole(tmp_path, monkeypatch):
 
 def test_target_is_replaced_whole(tiny_workspace, monkeypatch):
     os.chdir(tiny_workspace)
-    before = snapshot(paths.TARGET)
+    before = snapshot(WS.target)
     # The tokenizer is saved after the model's weights: die in between.
     kill_on_call(monkeypatch, "transformers.PreTrainedTokenizerBase.save_pretrained")
     with pytest.raises(Killed):
         run_stages(tiny_workspace, ["target"], ["target.seed=5"])
-    assert snapshot(paths.TARGET) == before
-    assert not paths.TARGET_METRICS.exists(), "metrics of the old target must not stay beside"
-    assert sorted(p.name for p in paths.TARGET.parent.iterdir()) == ["target", "tokenizer"]
+    assert snapshot(WS.target) == before
+    assert not WS.target_metrics.exists(), "metrics of the old target must not stay beside"
+    assert sorted(p.name for p in WS.target.parent.iterdir()) == ["target", "tokenizer"]
 
 
 def test_evaluate_leaves_no_old_metrics_beside_new_rows(tiny_workspace, monkeypatch):
     os.chdir(tiny_workspace)
-    paths.EVAL_METRICS.parent.mkdir(parents=True, exist_ok=True)
-    paths.EVAL_METRICS.write_text('{"acceptance_length": 9.9}\n')
+    WS.eval_metrics.parent.mkdir(parents=True, exist_ok=True)
+    WS.eval_metrics.write_text('{"acceptance_length": 9.9}\n')
     run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
-    kill_on_call(monkeypatch, "dflash.eval.live.write_json_atomic")  # metrics come last
+    kill_on_call(monkeypatch, "dflash.stages.evaluate.write_json_atomic")  # metrics come last
     with pytest.raises(Killed):
         run_stages(tiny_workspace, ["evaluate"])
-    assert not paths.EVAL_METRICS.exists()
+    assert not WS.eval_metrics.exists()
 
 
 def lengths_file(tmp_path):
@@ -78,16 +82,24 @@ def lengths_file(tmp_path):
 @pytest.mark.parametrize(
     "module, args, words",
     [
-        ("dflash.plan", ["--epochs", "0"], ["--epochs", "0", ">= 1"]),
-        ("dflash.plan", ["--num-buckets", "0", "--strategy", "bucketed"], ["--num-buckets", "0"]),
-        ("dflash.plan", ["--world-size", "-2"], ["--world-size", "-2", ">= 1"]),
-        ("dflash.stats", ["--num-buckets", "0"], ["--num-buckets", "0", ">= 1"]),
-        ("dflash.stats", ["--num-buckets", "2", "--token-budget", "x"], ["--token-budget", "'x'"]),
+        ("dflash.batching.planner", ["--epochs", "0"], ["--epochs", "0", ">= 1"]),
+        (
+            "dflash.batching.planner",
+            ["--num-buckets", "0", "--strategy", "bucketed"],
+            ["--num-buckets", "0"],
+        ),
+        ("dflash.batching.planner", ["--world-size", "-2"], ["--world-size", "-2", ">= 1"]),
+        ("dflash.batching.length_stats", ["--num-buckets", "0"], ["--num-buckets", "0", ">= 1"]),
+        (
+            "dflash.batching.length_stats",
+            ["--num-buckets", "2", "--token-budget", "x"],
+            ["--token-budget", "'x'"],
+        ),
     ],
 )
 def test_plan_and_stats_clis_reject_out_of_domain_values(tmp_path, module, args, words):
     base = ["--lengths", str(lengths_file(tmp_path)), "--out", str(tmp_path / "out")]
-    if module == "dflash.plan":
+    if module == "dflash.batching.planner":
         base += ["--max-seq-len", "64", "--max-batch-size", "4", "--token-budget", "256"]
         base += [] if "--strategy" in args else ["--strategy", "shuffle"]
     else:
@@ -120,12 +132,12 @@ def test_the_gitignore_dvc_keeps_in_an_output_directory_survives(tmp_path):
 
 def test_train_leaves_no_old_metrics_beside_a_new_drafter(tiny_workspace, monkeypatch):
     os.chdir(tiny_workspace)
-    paths.TRAIN_METRICS.parent.mkdir(parents=True, exist_ok=True)
-    paths.TRAIN_METRICS.write_text('{"final_loss": 0.001}\n')
+    WS.train_metrics.parent.mkdir(parents=True, exist_ok=True)
+    WS.train_metrics.write_text('{"final_loss": 0.001}\n')
     kill_on_call(monkeypatch, "dflash.train.loop.write_metrics")  # metrics come last
     with pytest.raises(Killed):
         run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
-    assert not paths.TRAIN_METRICS.exists()
-    assert sorted(p.name for p in paths.DRAFTER.iterdir()) == sorted(
-        [paths.DRAFTER_CARD, paths.DRAFTER_CONFIG, paths.DRAFTER_WEIGHTS, paths.DRAFTER_CODE]
+    assert not WS.train_metrics.exists()
+    assert sorted(p.name for p in WS.drafter.iterdir()) == sorted(
+        [hf_files.MODEL_CARD, hf_files.CONFIG, hf_files.WEIGHTS, hf_files.REMOTE_CODE]
     )

@@ -6,7 +6,11 @@ from pathlib import Path
 import pytest
 from transformers import Qwen3Config
 
-from dflash import cli, paths
+from dflash import cli
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 PARAMS = str(Path(__file__).parents[1] / "params.yaml")
 
@@ -74,7 +78,7 @@ def test_target_stage_rejects_a_layer_selection_the_default_target_cannot_give(
     monkeypatch.chdir(tmp_path)
     assert run("target", "target.num_hidden_layers=5", "drafter.num_target_features=3") == 2
     assert_params_error(capsys, "drafter.num_target_features = 3")
-    assert not paths.TARGET.exists()
+    assert not WS.target.exists()
 
 
 def test_target_stage_reads_a_path_targets_depth_from_its_config(tmp_path, monkeypatch, capsys):
@@ -87,6 +91,6 @@ def test_target_stage_reads_a_path_targets_depth_from_its_config(tmp_path, monke
 def test_train_rejects_a_selection_the_built_target_cannot_give(tmp_path, monkeypatch, capsys):
     """The target stage does not rerun when only the drafter changes: train checks again."""
     monkeypatch.chdir(tmp_path)
-    save_config(tmp_path / paths.TARGET, 4)
+    save_config(tmp_path / WS.target, 4)
     assert run("train", "drafter.num_target_features=3", "train.world_size=1") == 2
     assert_params_error(capsys, "drafter.num_target_features = 3")

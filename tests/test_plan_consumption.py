@@ -15,7 +15,7 @@ import torch
 from dflash.batching.boundaries import optimal_boundaries
 from dflash.batching.io import epoch_path, read_rank_plan
 from dflash.batching.params import PlanParams
-from dflash.batching.plan import write_plans
+from dflash.batching.planner import write_plans
 from dflash.train.batches import PlannedSteps, StepBuilder, StepDataset, make_loader
 
 WORLD, ACCUM, EPOCHS = 2, 2, 2

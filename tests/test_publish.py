@@ -8,15 +8,20 @@ from pathlib import Path
 
 import pytest
 
-from dflash import paths, publish
+from dflash import publish
 from dflash.metrics_schema import EvalDetails, partial
+from dflash.model import hf_files
 from dflash.model.card import SCORECARD_NOTE
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 EXPORT = {
-    paths.DRAFTER_CONFIG: "{}",
-    paths.DRAFTER_WEIGHTS: "weights",
-    paths.DRAFTER_CODE: "# code",
-    paths.DRAFTER_CARD: f"# drafter\n{SCORECARD_NOTE}",
+    hf_files.CONFIG: "{}",
+    hf_files.WEIGHTS: "weights",
+    hf_files.REMOTE_CODE: "# code",
+    hf_files.MODEL_CARD: f"# drafter\n{SCORECARD_NOTE}",
 }
 
 
@@ -28,9 +33,9 @@ def workspace(tmp_path, monkeypatch) -> Path:
         (root / name).mkdir(parents=True)
         (root / name / "keep").write_text(name)
     (root / "dvc.yaml").write_text("stages: {}\n")
-    (root / paths.DRAFTER).mkdir(parents=True)
+    (root / WS.drafter).mkdir(parents=True)
     for name, text in EXPORT.items():
-        (root / paths.DRAFTER / name).write_text(text)
+        (root / WS.drafter / name).write_text(text)
     scored = partial(EvalDetails, {"n_prompts": 3})
     monkeypatch.setattr(publish, "scored_metrics", lambda root: scored)
     monkeypatch.chdir(root)
@@ -57,10 +62,10 @@ def test_publishes_into_an_absent_directory_then_over_its_own_publish(workspace)
     out = workspace.parent / "published"
     assert publish.main([str(out), "--root", str(workspace)]) == 0
     first = snapshot(out)
-    assert "## Scorecard" in first[paths.DRAFTER_CARD].decode()
-    (workspace / paths.DRAFTER / paths.DRAFTER_WEIGHTS).write_text("new weights")
+    assert "## Scorecard" in first[hf_files.MODEL_CARD].decode()
+    (workspace / WS.drafter / hf_files.WEIGHTS).write_text("new weights")
     assert publish.main([str(out), "--root", str(workspace)]) == 0
-    assert (out / paths.DRAFTER_WEIGHTS).read_text() == "new weights"
+    assert (out / hf_files.WEIGHTS).read_text() == "new weights"
     assert sorted(p.name for p in out.parent.iterdir()) == ["published", "work"]
 
 
@@ -117,7 +122,7 @@ def test_leftover_scratch_beside_the_output_is_not_emptied(workspace, capsys):
 
 
 def test_the_published_copy_honours_the_umask(workspace):
-    (workspace / paths.DRAFTER / paths.DRAFTER_WEIGHTS).chmod(0o600)  # as safetensors writes it
+    (workspace / WS.drafter / hf_files.WEIGHTS).chmod(0o600)  # as safetensors writes it
     old = os.umask(0o022)
     try:
         assert publish.main([str(workspace.parent / "published"), "--root", str(workspace)]) == 0

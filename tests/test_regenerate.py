@@ -8,15 +8,18 @@ import shutil
 import pytest
 from conftest import run_stages
 
-from dflash import paths
 from dflash.config import Config, DataConfig
-from dflash.data import regenerate
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.regenerate import answer_turns
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.model.load import load_target
-from dflash.paths import REGENERATE_REPORT as REPORT
-from dflash.paths import REGENERATED_SHARDS as SHARDS
+from dflash.stages import regenerate as regenerate_stage
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
+REPORT = WS.regenerate_report
+SHARDS = WS.regenerated_shards
 
 REGENERATE = [
     "data.regenerate=true",
@@ -52,15 +55,15 @@ def report(workspace) -> dict:
 
 def outputs(workspace) -> tuple[list[dict], list[dict]]:
     return (
-        read_conversations(workspace / paths.CONVERSATIONS),
-        read_conversations(workspace / paths.REGENERATED_CONVERSATIONS),
+        read_conversations(workspace / WS.conversations),
+        read_conversations(workspace / WS.regenerated_conversations),
     )
 
 
 def greedy_answer(workspace, messages: list[dict], max_new_tokens: int) -> str:
     """The target's own answer, by plain ``generate`` on one unpadded prompt."""
-    tokenizer = load_tokenizer(workspace / paths.TOKENIZER)
-    model = load_target(workspace / paths.TARGET)
+    tokenizer = load_tokenizer(workspace / WS.tokenizer)
+    model = load_target(workspace / WS.target)
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     out = model.generate(
@@ -114,14 +117,14 @@ def test_turns_past_the_window_are_kept_and_counted(workspace):
 
 def test_an_interrupted_run_resumes_at_the_missing_shard(workspace):
     run_stages(workspace, ["regenerate"], REGENERATE)
-    complete = (workspace / paths.REGENERATED_CONVERSATIONS).read_bytes()
+    complete = (workspace / WS.regenerated_conversations).read_bytes()
     shards = sorted((workspace / SHARDS).glob("shard_*.json"))
     assert len(shards) == report(workspace)["shards"] > 1
     shards[-1].unlink()
-    (workspace / paths.REGENERATED_CONVERSATIONS).unlink()
+    (workspace / WS.regenerated_conversations).unlink()
     run_stages(workspace, ["regenerate"], REGENERATE)
     assert report(workspace)["shards_made"] == 1
-    assert (workspace / paths.REGENERATED_CONVERSATIONS).read_bytes() == complete
+    assert (workspace / WS.regenerated_conversations).read_bytes() == complete
 
 
 def test_shards_made_with_other_params_are_not_reused(workspace):
@@ -135,11 +138,11 @@ def test_shards_made_with_other_params_are_not_reused(workspace):
 
 def test_regenerate_false_copies_the_training_split(workspace):
     run_stages(workspace, ["regenerate"], ["data.regenerate=false"])
-    source = (workspace / paths.CONVERSATIONS).read_bytes()
-    assert (workspace / paths.REGENERATED_CONVERSATIONS).read_bytes() == source
+    source = (workspace / WS.conversations).read_bytes()
+    assert (workspace / WS.regenerated_conversations).read_bytes() == source
     stats = report(workspace)
     assert stats["skipped"] is True
-    assert stats["conversations"] == len(read_conversations(workspace / paths.CONVERSATIONS))
+    assert stats["conversations"] == len(read_conversations(workspace / WS.conversations))
 
 
 def test_no_room_for_a_prompt_is_a_clear_error(workspace):
@@ -152,13 +155,13 @@ def test_no_room_for_a_prompt_is_a_clear_error(workspace):
 def test_sampling_is_seeded_per_shard(workspace):
     sampling = [*REGENERATE, "regenerate.temperature=1.0"]
     run_stages(workspace, ["regenerate"], sampling)
-    first = (workspace / paths.REGENERATED_CONVERSATIONS).read_bytes()
+    first = (workspace / WS.regenerated_conversations).read_bytes()
     shutil.rmtree(workspace / SHARDS)
     run_stages(workspace, ["regenerate"], sampling)
     assert report(workspace)["shards_made"] == report(workspace)["shards"]
-    assert (workspace / paths.REGENERATED_CONVERSATIONS).read_bytes() == first
+    assert (workspace / WS.regenerated_conversations).read_bytes() == first
     run_stages(workspace, ["regenerate"], [*sampling, "regenerate.seed=1"])
-    assert (workspace / paths.REGENERATED_CONVERSATIONS).read_bytes() != first
+    assert (workspace / WS.regenerated_conversations).read_bytes() != first
 
 
 def test_tool_calling_turns_are_kept_as_written():
@@ -175,21 +178,21 @@ def test_tool_calling_turns_are_kept_as_written():
 def test_an_interrupted_pass_through_leaves_old_conversations_and_no_report(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rows = [{"conversation_id": "a", "messages": [{"role": "assistant", "content": "x"}]}]
-    write_conversations(rows, paths.CONVERSATIONS)
+    write_conversations(rows, WS.conversations)
     config = Config(data=DataConfig(regenerate=False))
-    regenerate.run(config)
-    old = (tmp_path / paths.REGENERATED_CONVERSATIONS).read_bytes()
+    regenerate_stage.run(config, WS)
+    old = (tmp_path / WS.regenerated_conversations).read_bytes()
     assert json.loads((tmp_path / REPORT).read_text())["conversations"] == 1
-    write_conversations(rows * 2, paths.CONVERSATIONS)
+    write_conversations(rows * 2, WS.conversations)
 
     def die(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(regenerate.shutil, "copyfile", die)
+    monkeypatch.setattr(regenerate_stage.shutil, "copyfile", die)
     with pytest.raises(KeyboardInterrupt):
-        regenerate.run(config)
-    assert (tmp_path / paths.REGENERATED_CONVERSATIONS).read_bytes() == old
+        regenerate_stage.run(config, WS)
+    assert (tmp_path / WS.regenerated_conversations).read_bytes() == old
     assert not (tmp_path / REPORT).exists()
-    assert sorted(p.name for p in (tmp_path / paths.REGENERATED).iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / WS.regenerated).iterdir()) == [
         "conversations.parquet"
     ]

@@ -12,12 +12,17 @@ import shutil
 import pytest
 from conftest import run_stages
 
-from dflash import paths
 from dflash.cli import main
 from dflash.data import regenerate
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.local_server import free_port, local_servers
+from dflash.data.store import STORE_INDEX
 from dflash.errors import ConfigError
+from dflash.model import hf_files
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 pytestmark = pytest.mark.slow
 
@@ -49,14 +54,14 @@ def template(tiny_workspace_template, tmp_path_factory):
     """The shared workspace (its target pretrained one epoch), cut to a dozen rows."""
     directory = tmp_path_factory.mktemp("served") / "ws"
     shutil.copytree(tiny_workspace_template, directory)
-    rows = read_conversations(directory / paths.CONVERSATIONS)
-    write_conversations(rows[:ROWS], directory / paths.CONVERSATIONS)
+    rows = read_conversations(directory / WS.conversations)
+    write_conversations(rows[:ROWS], directory / WS.conversations)
     return directory
 
 
 @pytest.fixture(scope="module")
 def servers(template, tmp_path_factory):
-    with local_servers(template / paths.TARGET, 2, tmp_path_factory.mktemp("logs")) as running:
+    with local_servers(template / WS.target, 2, tmp_path_factory.mktemp("logs")) as running:
         yield running
 
 
@@ -66,13 +71,13 @@ def runs(template, servers, tmp_path_factory):
     directory = tmp_path_factory.mktemp("runs") / "ws"
     shutil.copytree(template, directory)
     run_stages(directory, ["regenerate"], REGENERATE)
-    in_process = read_conversations(directory / paths.REGENERATED_CONVERSATIONS)
+    in_process = read_conversations(directory / WS.regenerated_conversations)
     run_stages(directory, ["regenerate"], served(*(s.url for s in servers)))
     return directory, in_process
 
 
 def report(workspace) -> dict:
-    return json.loads((workspace / paths.REGENERATE_REPORT).read_text())
+    return json.loads((workspace / WS.regenerate_report).read_text())
 
 
 def assistant_contents(rows: list[dict]) -> list[str]:
@@ -81,7 +86,7 @@ def assistant_contents(rows: list[dict]) -> list[str]:
 
 def test_greedy_answers_equal_the_in_process_ones(runs):
     directory, in_process = runs
-    through_servers = read_conversations(directory / paths.REGENERATED_CONVERSATIONS)
+    through_servers = read_conversations(directory / WS.regenerated_conversations)
     expected = assistant_contents(in_process)
     assert len(expected) == 24
     assert assistant_contents(through_servers) == expected
@@ -104,9 +109,9 @@ def test_the_served_corpus_trains_a_drafter(runs, tmp_path):
     shutil.copytree(runs[0], directory)
     sets = ["data.num_workers=1", "train.world_size=1", "train.epochs=1", "logging.wandb=disabled"]
     run_stages(directory, ["tokenize", "stats", "plan", "train"], sets)
-    assert (directory / paths.TOKEN_INDEX).exists()
-    assert (directory / paths.DRAFTER / paths.DRAFTER_WEIGHTS).exists()
-    assert json.loads((directory / paths.TRAIN_METRICS).read_text())["steps"] > 0
+    assert (directory / (WS.tokenized / STORE_INDEX)).exists()
+    assert (directory / WS.drafter / hf_files.WEIGHTS).exists()
+    assert json.loads((directory / WS.train_metrics).read_text())["steps"] > 0
 
 
 def test_a_wrong_model_or_an_unreachable_endpoint_exits_2(template, servers, monkeypatch, capsys):
@@ -117,7 +122,7 @@ def test_a_wrong_model_or_an_unreachable_endpoint_exits_2(template, servers, mon
     sets = [f"--set={item}" for item in served(f"http://127.0.0.1:{free_port()}/v1")]
     assert main(["regenerate", *sets]) == 2
     assert "no answer to GET /models" in capsys.readouterr().err
-    assert not (template / paths.REGENERATED_SHARDS).exists()
+    assert not (template / WS.regenerated_shards).exists()
 
 
 def test_a_server_killed_mid_run_loses_nothing(runs, servers, tmp_path, monkeypatch):
@@ -126,8 +131,8 @@ def test_a_server_killed_mid_run_loses_nothing(runs, servers, tmp_path, monkeypa
     reference = runs[0]
     directory = tmp_path / "ws"
     shutil.copytree(reference, directory)
-    shutil.rmtree(directory / paths.REGENERATED_SHARDS)
-    (directory / paths.REGENERATED_CONVERSATIONS).unlink()
+    shutil.rmtree(directory / WS.regenerated_shards)
+    (directory / WS.regenerated_conversations).unlink()
     commit = regenerate.write_json_atomic
 
     def commit_then_kill(path, value):
@@ -137,11 +142,11 @@ def test_a_server_killed_mid_run_loses_nothing(runs, servers, tmp_path, monkeypa
     monkeypatch.setattr(regenerate, "write_json_atomic", commit_then_kill)
     with pytest.raises(ConfigError, match=r"unreachable.*not committed"):
         run_stages(directory, ["regenerate"], served(servers[1].url))
-    assert len(list((directory / paths.REGENERATED_SHARDS).glob("*.json"))) == 1
+    assert len(list((directory / WS.regenerated_shards).glob("*.json"))) == 1
     monkeypatch.setattr(regenerate, "write_json_atomic", commit)
     run_stages(directory, ["regenerate"], served(servers[0].url))
     assert report(directory)["shards_made"] == report(directory)["shards"] - 1 == 2
-    for made in sorted((reference / paths.REGENERATED_SHARDS).glob("*.parquet")):
-        assert (directory / paths.REGENERATED_SHARDS / made.name).read_bytes() == made.read_bytes()
-    regenerated = paths.REGENERATED_CONVERSATIONS
+    for made in sorted((reference / WS.regenerated_shards).glob("*.parquet")):
+        assert (directory / WS.regenerated_shards / made.name).read_bytes() == made.read_bytes()
+    regenerated = WS.regenerated_conversations
     assert (directory / regenerated).read_bytes() == (reference / regenerated).read_bytes()

@@ -14,7 +14,6 @@ import openai
 import pytest
 from tqdm import tqdm
 
-from dflash import paths
 from dflash.cli import main
 from dflash.data import regenerate, serving
 from dflash.data.conversations import read_conversations, write_conversations
@@ -22,6 +21,10 @@ from dflash.data.serving import RETRIED, Endpoints, answer_message, failure_reas
 from dflash.data.tokenizer import IM_END, IM_START, load_tokenizer, train_tokenizer
 from dflash.errors import ConfigError
 from dflash.params import load_config
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 URL = "http://127.0.0.1:9/v1"
 
@@ -164,12 +167,10 @@ def workspace(tmp_path, monkeypatch):
         }
         for i in range(ROWS)
     ]
-    write_conversations(rows, paths.CONVERSATIONS)
-    train_tokenizer([f"question answer {i}" for i in range(50)], 300).save_pretrained(
-        paths.TOKENIZER
-    )
-    write_conversations(rows[:1], paths.REGENERATED_CONVERSATIONS)
-    paths.REGENERATE_REPORT.write_text('{"previous": true}')
+    write_conversations(rows, WS.conversations)
+    train_tokenizer([f"question answer {i}" for i in range(50)], 300).save_pretrained(WS.tokenizer)
+    write_conversations(rows[:1], WS.regenerated_conversations)
+    WS.regenerate_report.write_text('{"previous": true}')
     (tmp_path / "params.yaml").write_text(
         "data: {regenerate: true, max_seq_len: 96}\ndrafter: {block_size: 2}\n"
     )
@@ -192,14 +193,14 @@ def regenerate_via(url: str, *sets: str) -> int:
 
 def previous_kept() -> bool:
     return (
-        len(read_conversations(paths.REGENERATED_CONVERSATIONS)) == 1
-        and json.loads(paths.REGENERATE_REPORT.read_text()) == {"previous": True}
-        and not list(paths.REGENERATED_SHARDS.glob("*.json"))
+        len(read_conversations(WS.regenerated_conversations)) == 1
+        and json.loads(WS.regenerate_report.read_text()) == {"previous": True}
+        and not list(WS.regenerated_shards.glob("*.json"))
     )
 
 
 def report() -> dict:
-    return json.loads(paths.REGENERATE_REPORT.read_text())
+    return json.loads(WS.regenerate_report.read_text())
 
 
 REFUSALS = {
@@ -246,7 +247,7 @@ def test_a_malformed_answer_is_counted_and_retried(workspace, reason, capsys):
     assert report()["failed_requests"] == {reason: ROWS}
     assert report()["failed_conversations"] == {} and report()["turns_regenerated"] == ROWS
     with fake_server(lambda request: (200, MALFORMED[reason])) as server:
-        shutil.rmtree(paths.REGENERATED_SHARDS)
+        shutil.rmtree(WS.regenerated_shards)
         assert regenerate_via(server.url) == 2
     assert f"({{'{reason}': 2}})" in capsys.readouterr().err
 
@@ -285,9 +286,7 @@ def test_failures_within_the_fraction_pass_and_their_shard_is_redone(workspace):
         assert regenerate_via(server.url, "regenerate.max_failed_fraction=0.25") == 0
         assert report()["failed_conversations"] == {"http_400": 1}
         assert report()["shards_not_committed"] == [0]
-        assert sorted(p.name for p in paths.REGENERATED_SHARDS.glob("*.json")) == [
-            "shard_00001.json"
-        ]
+        assert sorted(p.name for p in WS.regenerated_shards.glob("*.json")) == ["shard_00001.json"]
         assert regenerate_via(server.url, "regenerate.max_failed_fraction=0.24") == 2
     with fake_server(lambda request: (200, completion())) as server:
         assert regenerate_via(server.url) == 0
@@ -306,7 +305,7 @@ def test_a_served_answer_ends_at_the_first_stop_string(workspace):
     with fake_server(lambda request: (200, completion(content=injected))) as server:
         assert regenerate_via(server.url) == 0
     answers = [
-        r["messages"][1]["content"] for r in read_conversations(paths.REGENERATED_CONVERSATIONS)
+        r["messages"][1]["content"] for r in read_conversations(WS.regenerated_conversations)
     ]
     assert answers == ["Sure."] * ROWS
     assert report()["cut_at_stop_string"] == ROWS
@@ -315,7 +314,7 @@ def test_a_served_answer_ends_at_the_first_stop_string(workspace):
 def test_an_answer_generated_in_process_ends_at_the_first_stop_string(workspace, monkeypatch):
     """The target may spell a control string with ordinary tokens, or emit a special token
     that is not a stop: either ends the answer."""
-    tokenizer = load_tokenizer(paths.TOKENIZER)
+    tokenizer = load_tokenizer(WS.tokenizer)
     spelled = tokenizer(
         "Sure.<|im_end|>\nuser", add_special_tokens=False, split_special_tokens=True
     )
@@ -323,7 +322,7 @@ def test_an_answer_generated_in_process_ends_at_the_first_stop_string(workspace,
     end = tokenizer.convert_tokens_to_ids(IM_END)
     generated = [spelled["input_ids"] + [end], special["input_ids"]]
     monkeypatch.setattr(regenerate, "generate", lambda *args: generated)
-    rows = read_conversations(paths.CONVERSATIONS)[:2]
+    rows = read_conversations(WS.conversations)[:2]
     config = load_config(None, ["regenerate.max_new_tokens=8", "drafter.block_size=2"]).regenerate
     out, stats = regenerate.regenerate_shard(None, tokenizer, rows, config, 96, tqdm(disable=True))
     assert [r["messages"][1]["content"] for r in out] == ["Sure.", "Sure."]

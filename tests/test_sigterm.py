@@ -63,8 +63,8 @@ def test_a_stage_killed_by_sigterm_removes_its_tmp_dir(tmp_path):
         tmp_path,
         """
         from dflash import cli
-        from dflash.data import ingest
-        ingest.ingest = blocked
+        from dflash.stages import ingest
+        ingest.ingest = lambda records, train, *rest: blocked(train.parent)
         sys.exit(cli.main(["ingest"]))
         """,
     )

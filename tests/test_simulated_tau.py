@@ -7,12 +7,15 @@ import os
 import pytest
 import torch
 
-from dflash import paths
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import greedy_generate
 from dflash.model.load import load_target
 from dflash.train.simulated import NEW_TOKENS, SimulatedTau, answer, through_first_stop
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 NO_AUTOCAST = torch.autocast("cpu", enabled=False)
 
@@ -23,12 +26,12 @@ def built(tiny_workspace_template):
     cwd = os.getcwd()
     os.chdir(tiny_workspace_template)
     try:
-        target, tokenizer = load_target(paths.TARGET, "cpu"), load_tokenizer(paths.TOKENIZER)
+        target, tokenizer = load_target(WS.target, "cpu"), load_tokenizer(WS.tokenizer)
         drafter = DFlashDrafter.from_target(
             target, block_size=4, num_hidden_layers=1, num_target_features=2,
             mask_token_id=tokenizer.mask_token_id, seed=3,
         )  # fmt: skip
-        simulated = SimulatedTau.build(target, tokenizer, drafter, 96, NO_AUTOCAST, {})
+        simulated = SimulatedTau.build(WS.heldout, target, tokenizer, drafter, 96, NO_AUTOCAST, {})
         yield target, tokenizer, drafter, simulated
     finally:
         os.chdir(cwd)
@@ -64,7 +67,7 @@ def test_block_tau_is_what_decoding_each_block_alone_accepts(built):
 def test_simulated_tau_is_deterministic_and_in_range(built, tiny_workspace_template, monkeypatch):
     target, tokenizer, drafter, simulated = built
     monkeypatch.chdir(tiny_workspace_template)
-    again = SimulatedTau.build(target, tokenizer, drafter, 96, NO_AUTOCAST, {})
+    again = SimulatedTau.build(WS.heldout, target, tokenizer, drafter, 96, NO_AUTOCAST, {})
     assert simulated.measure(drafter) == again.measure(drafter) == simulated.measure(drafter)
     assert 1.0 <= simulated.measure(drafter) <= drafter.config.block_size
     assert simulated.seconds > 0

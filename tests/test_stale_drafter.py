@@ -5,19 +5,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash import cli, paths
-from dflash.eval.freshness import stale_drafter
+from dflash import cli
 from dflash.fingerprint import path_digest
+from dflash.freshness import stale_drafter
+from dflash.model import hf_files
 from dflash.report import render_report
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 
 def workspace(root: Path, train_json: dict | None) -> Path:
-    (root / paths.DRAFTER).mkdir(parents=True)
-    (root / paths.DRAFTER / paths.DRAFTER_WEIGHTS).write_bytes(b"weights")
+    (root / WS.drafter).mkdir(parents=True)
+    (root / WS.drafter / hf_files.WEIGHTS).write_bytes(b"weights")
     (root / "params.yaml").write_text("data: {source: chitchat}\n")
     if train_json is not None:
-        (root / paths.TRAIN_METRICS).parent.mkdir(parents=True, exist_ok=True)
-        (root / paths.TRAIN_METRICS).write_text(json.dumps(train_json))
+        (root / WS.train_metrics).parent.mkdir(parents=True, exist_ok=True)
+        (root / WS.train_metrics).write_text(json.dumps(train_json))
     return root
 
 
@@ -29,10 +34,10 @@ def test_a_drafter_without_train_json_is_stale(tmp_path):
 def test_a_drafter_with_another_digest_is_stale_and_the_recorded_one_is_not(tmp_path):
     root = workspace(tmp_path, {"steps": 3, "drafter_sha256": "0" * 64})
     assert "is not the drafter the last training run wrote" in stale_drafter(root)
-    digest = path_digest(root / paths.DRAFTER)
-    (root / paths.TRAIN_METRICS).write_text(json.dumps({"drafter_sha256": digest}))
+    digest = path_digest(root / WS.drafter)
+    (root / WS.train_metrics).write_text(json.dumps({"drafter_sha256": digest}))
     assert stale_drafter(root) is None
-    (root / paths.TRAIN_METRICS).write_text(json.dumps({"steps": 3}))  # before digests: passes
+    (root / WS.train_metrics).write_text(json.dumps({"steps": 3}))  # before digests: passes
     assert stale_drafter(root) is None
 
 
@@ -41,7 +46,7 @@ def test_evaluate_refuses_a_stale_drafter_with_exit_2(tmp_path, monkeypatch, cap
     assert cli.main(["evaluate"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "metrics/train.json is missing" in err
-    assert "Traceback" not in err and not (tmp_path / paths.EVAL_METRICS).exists()
+    assert "Traceback" not in err and not (tmp_path / WS.eval_metrics).exists()
 
 
 def test_report_flags_a_stale_drafter_loudly(tmp_path):

@@ -11,10 +11,13 @@ from conftest import run_stages
 from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
-from dflash import paths
 from dflash.data.tokenizer import load_tokenizer
-from dflash.model.load import load_target, resolve_target_path
+from dflash.model.load import TARGET_REFERENCE, load_target, resolve_target_path
 from dflash.model.pretrain import IGNORE, encode_windows, pack
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 PRETRAIN = ["target.pretrain_epochs=3", "target.pretrain_batch_tokens=384"]
 
@@ -26,30 +29,30 @@ def pretrained(tiny_workspace):
 
 
 def test_pretrained_target_is_a_hf_dir_with_metrics(pretrained):
-    target = pretrained / paths.TARGET
+    target = pretrained / WS.target
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in target.iterdir()
     }
-    metrics = json.loads((pretrained / paths.TARGET_DETAILS).read_text())
+    metrics = json.loads((pretrained / WS.target_details).read_text())
     assert metrics["mode"] == "pretrained"
     assert metrics["train_loss"] < metrics["first_loss"] - 1.0
     assert metrics["heldout_perplexity"] == pytest.approx(math.exp(metrics["heldout_loss"]))
     assert metrics["heldout_tokens"] > 0 and metrics["train_tokens"] > 0
     model = load_target(target)
     assert isinstance(model, Qwen3ForCausalLM)
-    assert model.config.vocab_size == len(load_tokenizer(pretrained / paths.TOKENIZER))
+    assert model.config.vocab_size == len(load_tokenizer(pretrained / WS.tokenizer))
 
 
 def test_pretraining_is_seeded(pretrained):
-    first = load_file(pretrained / paths.TARGET / "model.safetensors")
+    first = load_file(pretrained / WS.target / "model.safetensors")
     run_stages(pretrained, ["target"], PRETRAIN)
-    second = load_file(pretrained / paths.TARGET / "model.safetensors")
+    second = load_file(pretrained / WS.target / "model.safetensors")
     assert first.keys() == second.keys()
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_load_target_is_frozen_eval_fp32_on_cpu(tiny_workspace):
-    model = load_target(tiny_workspace / paths.TARGET, "cpu")
+    model = load_target(tiny_workspace / WS.target, "cpu")
     assert not model.training
     assert not any(p.requires_grad for p in model.parameters())
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -57,15 +60,15 @@ def test_load_target_is_frozen_eval_fp32_on_cpu(tiny_workspace):
 
 def test_reference_mode_records_the_path_and_copies_no_weights(tiny_workspace, tmp_path):
     real = tmp_path / "real-target"
-    (tiny_workspace / paths.TARGET).rename(real)
+    (tiny_workspace / WS.target).rename(real)
     run_stages(tiny_workspace, ["target"], [f"target.path={real}"])
-    target = tiny_workspace / paths.TARGET
-    assert [p.name for p in target.iterdir()] == [paths.TARGET_REFERENCE]
-    reference = json.loads((target / paths.TARGET_REFERENCE).read_text())
+    target = tiny_workspace / WS.target
+    assert [p.name for p in target.iterdir()] == [TARGET_REFERENCE]
+    reference = json.loads((target / TARGET_REFERENCE).read_text())
     assert reference["path"] == str(real.resolve())
     assert len(reference["config_sha256"]) == 64
     assert resolve_target_path(target) == str(real.resolve())
-    metrics = json.loads((tiny_workspace / paths.TARGET_DETAILS).read_text())
+    metrics = json.loads((tiny_workspace / WS.target_details).read_text())
     assert metrics["mode"] == "reference" and metrics["heldout_loss"] > 0
     via_reference, direct = load_target(target), load_target(real)
     assert not any(p.requires_grad for p in via_reference.parameters())
@@ -74,7 +77,7 @@ def test_reference_mode_records_the_path_and_copies_no_weights(tiny_workspace, t
 
 
 def test_reference_mode_rejects_a_target_missing_tokenizer_ids(tiny_workspace, tmp_path):
-    small = load_target(tiny_workspace / paths.TARGET)
+    small = load_target(tiny_workspace / WS.target)
     small.resize_token_embeddings(8)
     small.save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="vocabulary 8 is smaller than the tokenizer"):
@@ -90,7 +93,7 @@ def test_pack_cuts_the_stream_into_rows_and_ignores_the_tail():
 
 
 def test_encode_windows_keeps_the_head_and_counts_the_cut(tiny_workspace):
-    tokenizer = load_tokenizer(tiny_workspace / paths.TOKENIZER)
+    tokenizer = load_tokenizer(tiny_workspace / WS.tokenizer)
     messages = [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "ok"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     full = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import read_plan_meta, read_rank_plan
 from dflash.data.store import TokenStore
-from dflash.eval.freshness import stale_drafter
+from dflash.freshness import stale_drafter
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.load import load_target
 from dflash.params import load_config

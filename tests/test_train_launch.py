@@ -13,12 +13,16 @@ import psutil
 import pytest
 import torch
 
-from dflash import paths
 from dflash.errors import ConfigError
 from dflash.train import preflight
 from dflash.train.allocator import configure_allocator
+from dflash.train.checkpoint import CHECKPOINT_NAME
 from dflash.train.distributed import init_distributed
 from dflash.train.lock import WorkspaceBusy, workspace_lock
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -42,7 +46,7 @@ def test_a_stale_plan_is_refused_once_before_torchrun_starts(tiny_workspace, ove
     assert proc.stderr.count("stale plan") == 1 and problem in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "torch.distributed" not in proc.stderr + proc.stdout
-    assert not (tiny_workspace / paths.DRAFTER).exists()
+    assert not (tiny_workspace / WS.drafter).exists()
 
 
 def test_more_ranks_than_gpus_is_an_error_and_than_cores_a_warning(monkeypatch, capsys):
@@ -61,11 +65,11 @@ def test_more_ranks_than_gpus_is_an_error_and_than_cores_a_warning(monkeypatch, 
 
 def test_a_second_train_in_the_workspace_exits_2_naming_the_holder(tiny_workspace, monkeypatch):
     monkeypatch.chdir(tiny_workspace)
-    with workspace_lock():
+    with workspace_lock(WS.train_lock):
         proc = dflash_train(tiny_workspace)
     assert proc.returncode == 2, proc.stderr
     assert f"PID {os.getpid()}" in proc.stderr and "Traceback" not in proc.stderr
-    assert not (tiny_workspace / paths.DRAFTER).exists()
+    assert not (tiny_workspace / WS.drafter).exists()
 
 
 def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
@@ -97,7 +101,7 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    first = tiny_workspace / paths.CHECKPOINTS / (paths.CHECKPOINT_NAME.format(step=1) + ".sha256")
+    first = tiny_workspace / WS.checkpoints / (CHECKPOINT_NAME.format(step=1) + ".sha256")
     deadline = time.time() + 300
     while time.time() < deadline and not first.exists() and launcher.poll() is None:
         time.sleep(0.05)
@@ -114,7 +118,7 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert survivors == []
-    assert not (tiny_workspace / paths.DRAFTER).exists()
+    assert not (tiny_workspace / WS.drafter).exists()
 
 
 @pytest.mark.parametrize(

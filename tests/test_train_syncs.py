@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import tiny_qwen3
 
-from dflash.model.attention import build_attention_mask
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter_attention import build_attention_mask
 from dflash.train.batches import build_micro_batch
 from dflash.train.distributed import Dist
 from dflash.train.step import forward_backward
@@ -78,7 +78,7 @@ def test_no_host_read_per_layer_or_per_document():
     few = step_reads(6, 1, [PACKED])
     assert len(step_reads(9, 3, [PACKED])) == len(few)
     assert len(step_reads(6, 1, [MANY_DOCUMENTS])) == len(few)
-    assert not [r for r in few.reads if "document_attention" in r.site or "drafter" in r.site]
+    assert not [r for r in few.reads if "target_attention" in r.site or "drafter" in r.site]
 
 
 def test_the_flex_mask_reads_nothing_back():

@@ -19,13 +19,13 @@ import yaml
 from conftest import run_stages
 from test_train import final_weights, kill_tree
 
-from dflash import paths
 from dflash.batching.io import read_rank_plan
 from dflash.config import TrainConfig
 from dflash.data.store import TokenStore
 from dflash.model.load import load_target
 from dflash.train.batches import build_micro_batch
 from dflash.train.borrowed import load_borrowed
+from dflash.train.checkpoint import CHECKPOINT_NAME
 from dflash.train.topology import (
     Layout,
     epoch_micro_batches,
@@ -33,6 +33,10 @@ from dflash.train.topology import (
     processes,
     schedule,
 )
+from dflash.workspace import Workspace
+
+WS = Workspace()
+"""The workspace's paths relative to its root, as the stages run in it."""
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DECOUPLED = ("train.topology=decoupled", "train.target_ranks=2")
@@ -78,7 +82,7 @@ def test_every_micro_batch_is_computed_once_in_the_order_its_drafter_rank_takes_
 
 
 def test_micro_batch_shape_is_the_one_built_from_the_rows(tiny_workspace):
-    store = TokenStore(tiny_workspace / paths.TOKENIZED)
+    store = TokenStore(tiny_workspace / WS.tokenized)
     steps = read_rank_plan(tiny_workspace / "data/plans/epoch_000.parquet", 1)
     for _, rows in list(epoch_micro_batches(steps, 0))[:5]:
         mb = build_micro_batch(
@@ -88,8 +92,8 @@ def test_micro_batch_shape_is_the_one_built_from_the_rows(tiny_workspace):
 
 
 def test_a_drafter_rank_holds_only_the_borrowed_embedding_and_head(tiny_workspace):
-    whole = load_target(tiny_workspace / paths.TARGET, device="cpu")
-    borrowed = load_borrowed(tiny_workspace / paths.TARGET, torch.device("cpu"), torch.float32)
+    whole = load_target(tiny_workspace / WS.target, device="cpu")
+    borrowed = load_borrowed(tiny_workspace / WS.target, torch.device("cpu"), torch.float32)
     embed, head = borrowed.get_input_embeddings(), borrowed.get_output_embeddings()
     assert torch.equal(embed.weight, whole.get_input_embeddings().weight)
     assert torch.equal(head.weight, whole.get_output_embeddings().weight)
@@ -152,8 +156,8 @@ def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter(p
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)
-    details = json.loads((decoupled / paths.TRAIN_DETAILS).read_text())
-    reference = json.loads((colocated / paths.TRAIN_DETAILS).read_text())
+    details = json.loads((decoupled / WS.train_details).read_text())
+    reference = json.loads((colocated / WS.train_details).read_text())
     assert details["final_simulated_tau"] == pytest.approx(reference["final_simulated_tau"])
     assert details["world_size"] == 1
     for key in ("target_idle_fraction", "drafter_wait_fraction"):
@@ -164,13 +168,13 @@ def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter(p
 def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned):
     colocated, decoupled = planned
     proc = dflash_train(decoupled, *DECOUPLED)
-    first = decoupled / paths.CHECKPOINTS / (paths.CHECKPOINT_NAME.format(step=3) + ".sha256")
+    first = decoupled / WS.checkpoints / (CHECKPOINT_NAME.format(step=3) + ".sha256")
     deadline = time.time() + 300
     while time.time() < deadline and not first.exists() and proc.poll() is None:
         time.sleep(0.01)
     kill_tree(proc.pid)
     proc.communicate()
-    assert first.exists() and not (decoupled / paths.DRAFTER).exists()
+    assert first.exists() and not (decoupled / WS.drafter).exists()
     out = finished(decoupled, *DECOUPLED)
     assert "resumed at" in out
     a, b = final_weights(colocated), final_weights(decoupled)
@@ -207,7 +211,7 @@ def test_a_dead_rank_ends_the_job_naming_its_rank_and_role(planned, role):
     named = re.search(rf"rank\s*:\s*{victim_rank}\b", out) or f"rank {victim_rank} ({role})" in out
     assert named, out[-3000:]
     assert "ranks 0-0 train the drafter, ranks 1-2 run the target" in out
-    assert not (decoupled / paths.DRAFTER).exists()
+    assert not (decoupled / WS.drafter).exists()
 
 
 def test_the_balancing_split_and_the_memory_per_role(monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 from dflash.batching import io
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.params import PlanParams
-from dflash.batching.plan import plan_epoch, plan_meta, write_plans
+from dflash.batching.planner import plan_epoch, plan_meta, write_plans
 from dflash.batching.validate import check_epoch, validate_plans
 
 LENGTHS = np.array([10, 12, 10, 30, 7, 22, 12, 18, 9, 25, 14, 10, 5, 28, 16, 11], np.int32)

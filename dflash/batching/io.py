@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash import paths
 from dflash.batching.errors import InvalidPlanError
 from dflash.fileio import atomic_path, write_json_atomic
 from dflash.fingerprint import digest
@@ -41,9 +40,13 @@ MicroBatch = list[Row]
 Step = list[MicroBatch]
 """One optimizer step of one rank: ``grad_accum`` micro-batches."""
 
+PLAN_EPOCH = "epoch_{epoch:03d}.parquet"
+PLAN_EPOCH_GLOB = "epoch_*.parquet"
+PLAN_SUMMARY = "summary.json"
+
 
 def epoch_path(plans_dir: str | Path, epoch: int) -> Path:
-    return Path(plans_dir) / paths.PLAN_EPOCH.format(epoch=epoch)
+    return Path(plans_dir) / PLAN_EPOCH.format(epoch=epoch)
 
 
 def lengths_fingerprint(lengths: np.ndarray) -> str:
@@ -65,14 +68,12 @@ def read_epoch(path: str | Path) -> tuple[pa.Table, dict[str, Any] | None]:
 
 
 def write_summary(summary: dict[str, Any], plans_dir: str | Path) -> None:
-    write_json_atomic(
-        Path(plans_dir) / paths.PLAN_SUMMARY, PlanSummary.model_validate(summary).dump()
-    )
+    write_json_atomic(Path(plans_dir) / PLAN_SUMMARY, PlanSummary.model_validate(summary).dump())
 
 
 def read_plan_meta(plans_dir: str | Path) -> dict[str, Any]:
     """``summary.json`` as a dict: ``meta``, per-epoch figures under ``epochs``, overall figures."""
-    path = Path(plans_dir) / paths.PLAN_SUMMARY
+    path = Path(plans_dir) / PLAN_SUMMARY
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run `dflash plan` first")
     return json.loads(path.read_text())

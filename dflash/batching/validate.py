@@ -1,6 +1,7 @@
 """Check every invariant of a plan on disk; stop at the first violation, naming it.
 
-Used by ``python -m dflash.plan validate`` and by the tests, so the contract is written once.
+Used by ``python -m dflash.batching.planner validate`` and by the tests, so the contract is
+written once.
 """
 
 from __future__ import annotations

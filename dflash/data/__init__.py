@@ -1,1 +1,1 @@
-"""Data stages: ingest, tokenizer, tokenize, and the token store they produce."""
+"""Data: ingesting, the tokenizer, regeneration, tokenizing, and the token store."""

@@ -1,4 +1,4 @@
-"""The ingest stage: raw conversations in, a clean training split and held-out split out.
+"""Ingesting: raw conversations in, a clean training split and held-out split out.
 
 Every input record ends up in exactly one place: the training split, the held-out split,
 or a counted line of the report (skip reason, duplicate, or left out by
@@ -12,8 +12,6 @@ stays flat whatever the corpus size. The outputs appear together or not at all.
 from __future__ import annotations
 
 import hashlib
-import json
-import logging
 import os
 from array import array
 from collections.abc import Iterable, Iterator
@@ -23,17 +21,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash import paths
-from dflash.config import Config
 from dflash.data.chitchat import load_chitchat
 from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, open_parquet
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
 from dflash.errors import ConfigError
-from dflash.fileio import atomic_dir, not_a_file, write_json_atomic
-from dflash.metrics_schema import IngestReport
+from dflash.fileio import not_a_file
 from dflash.params import outside
-
-logger = logging.getLogger(__name__)
 
 FIRST_LINES = 5
 """How many line numbers the report keeps per reason: enough to go and look."""
@@ -43,6 +36,8 @@ MAX_LINE_BYTES = 64 << 20
 """A JSONL line longer than this is counted as ``too_long`` and skipped unread: a file with
 no newline at all must not be pulled into memory whole."""
 SKIP_CHUNK = 1 << 20
+UNCAPPED = "uncapped.parquet"
+"""Scratch file beside the training split while ``data.max_conversations`` cuts it."""
 
 
 class NoConversationsError(RuntimeError):
@@ -164,15 +159,15 @@ class Tally:
 
 def ingest(
     records: Iterable[tuple[int, object]],
-    out: Path,
+    train_path: Path,
+    heldout_path: Path,
     eval_fraction: float,
     max_conversations: int | None,
 ) -> dict:
-    """Validate, deduplicate and split numbered records into ``out``; returns the report."""
+    """Validate, deduplicate and split numbered records into the two files; returns the report."""
     tally = Tally()
-    train_path = out / paths.CONVERSATIONS.name
-    capped = out / paths.INGEST_UNCAPPED if max_conversations is not None else train_path
-    train, heldout = ConversationWriter(capped), ConversationWriter(out / paths.HELDOUT.name)
+    capped = train_path.with_name(UNCAPPED) if max_conversations is not None else train_path
+    train, heldout = ConversationWriter(capped), ConversationWriter(heldout_path)
     train_keys = array("Q")  # 8 bytes a training conversation, for data.max_conversations
     for number, record in records:
         accepted = tally.accept(number, record)
@@ -230,8 +225,9 @@ def _note(entry: dict, number: int) -> None:
         entry["first_lines"].append(number)
 
 
-def open_source(source: str) -> tuple[Iterable[tuple[int, object]], dict]:
-    """Numbered records of ``data.source``, and a dict of source-specific counts to report.
+def open_source(source: str, roots: tuple[Path, ...]) -> tuple[Iterable[tuple[int, object]], dict]:
+    """Numbered records of ``data.source`` (a file under ``roots``, as for ``open_records``),
+    and a dict of source-specific counts to report.
 
     The counts fill in as the records are read.
     """
@@ -244,52 +240,29 @@ def open_source(source: str) -> tuple[Iterable[tuple[int, object]], dict]:
                 yield record
 
         return enumerate(chats(), start=1), extra
-    return open_records(source, "data.source"), {}
+    return open_records(source, "data.source", roots), {}
 
 
-def open_records(path: str, key: str, root: Path = paths.RAW) -> Iterable[tuple[int, object]]:
-    """Numbered records of a ``.jsonl`` / ``.parquet`` file under ``root`` named by ``key``."""
+def open_records(path: str, key: str, roots: tuple[Path, ...]) -> Iterable[tuple[int, object]]:
+    """Numbered records of a ``.jsonl`` / ``.parquet`` file named by ``key``, under the first of
+    ``roots`` (the directory ``dvc.yaml`` tracks) or, links resolved, any of them (DVC's cache
+    it links to)."""
     why = not_a_file(path)
     if why:
         raise ConfigError(f"{key} = {path!r}: {why}")
-    require_inside(path, key, root)
+    require_inside(path, key, roots)
     if not os.access(path, os.R_OK):
         raise ConfigError(f"{key} = {path!r}: not readable (permission denied)")
     return read_jsonl(path) if path.endswith(".jsonl") else read_parquet(path, key)
 
 
-def require_inside(path: str, key: str, root: Path) -> None:
-    """The file, links resolved, must lie under ``root`` (or DVC's cache it links to).
+def require_inside(path: str, key: str, roots: tuple[Path, ...]) -> None:
+    """The file, links resolved, must lie under one of ``roots`` (the first, or DVC's cache).
 
     ``dvc.yaml`` tracks ``root`` as a dep: a link out of it would let the data change with no
     rerun. Same rule and message as the params check on the path as written.
     """
     real = Path(path).resolve()
-    if any(real.is_relative_to(r.resolve()) for r in (root, paths.DVC_CACHE)):
+    if any(real.is_relative_to(r.resolve()) for r in roots):
         return
-    raise ConfigError(f"{key} = {path!r}: {outside(root)} (it is a link to {real})")
-
-
-def run(config: Config) -> int:
-    """Read ``data.source`` and write both splits and the report under ``data/ingested``."""
-    source = config.data.source
-    records, extra = open_source(source)
-    try:
-        with atomic_dir(paths.INGESTED) as out:
-            report = ingest(records, out, config.data.eval_fraction, config.data.max_conversations)
-            report = {"source": source, **report, **extra}
-            if report["kept"]["train"] == 0:
-                raise NoConversationsError(report)
-            write_json_atomic(
-                out / paths.INGEST_REPORT.name, IngestReport.model_validate(report).dump()
-            )
-    except NoConversationsError as err:
-        logger.error(f"{err}; nothing written. Report:\n{json.dumps(err.report, indent=2)}")
-        return 1
-    logger.info(
-        f"{source}: read {report['records_read']}, train {report['kept']['train']}, "
-        f"heldout {report['kept']['heldout']}, skipped {report['skipped_total']}, "
-        f"duplicates {report['duplicates_removed']['count']}, "
-        f"left out by max_conversations {report['left_out_by_max_conversations']}"
-    )
-    return 0
+    raise ConfigError(f"{key} = {path!r}: {outside(roots[0])} (it is a link to {real})")

@@ -1,4 +1,4 @@
-"""The regenerate stage: replace every assistant turn with the target's own response.
+"""Regeneration: replace every assistant turn with the target's own response.
 
 DFlash's drafter learns to predict what the target would say, so it trains on the target's
 outputs rather than on the human-written replies. Turn by turn, each assistant message is
@@ -22,11 +22,8 @@ with the previous output left in place.
 from __future__ import annotations
 
 import json
-import logging
 import re
-import shutil
 import time
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,26 +31,15 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash import paths
-from dflash.closure import declared_inputs
 from dflash.config import Config, RegenerateConfig
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import (
-    count_conversations,
     read_conversations,
     write_conversations,
 )
 from dflash.data.specials import special_strings
-from dflash.data.tokenizer import load_tokenizer, stop_token_ids
-from dflash.fileio import atomic_path, remove_files, write_json_atomic
-from dflash.fingerprint import digest, path_digest
-from dflash.headline import write_metrics
-from dflash.metrics_schema import RegenerateHeadline, RegenerateReport
-from dflash.model.load import load_target, target_device_dtype
-from dflash.progress import progress_bar
-from dflash.threads import set_cpu_threads
-
-logger = logging.getLogger(__name__)
+from dflash.data.tokenizer import stop_token_ids
+from dflash.fileio import write_json_atomic
 
 COUNTS = (
     "turns",
@@ -65,21 +51,12 @@ COUNTS = (
 )
 """Per-shard counts, summed into the report whether a shard was made now or resumed."""
 
+SHARD = "shard_{index:05d}"
+"""A shard's stem: ``.parquet`` holds its conversations, ``.json`` commits it (written last)."""
+SHARD_COMMITS = "shard_*.json"
+
 Backend = Callable[[list[dict], int, tqdm], tuple[list[dict], dict]]
 """Regenerates shard ``index``'s rows: returns the rows kept and their counts."""
-
-
-def fingerprint(config: Config, engine: dict) -> str:
-    """What a shard's content depends on: the params the stage declares (its knobs say where
-    and how hard servers are asked, not what they answer), the engine (the device in process,
-    the served model's identity through openai), target, tokenizer, input data, code."""
-    parts = declared_inputs(config, "regenerate") | {
-        "engine": engine,
-        "target": path_digest(paths.TARGET),
-        "tokenizer": path_digest(paths.TOKENIZER),
-        "conversations": path_digest(paths.CONVERSATIONS),
-    }
-    return digest(parts)[:16]
 
 
 def generation_config(
@@ -217,45 +194,29 @@ def regenerate_shard(
     return rows, stats
 
 
-def shard_paths(index: int) -> tuple[Path, Path]:
+def shard_paths(shards: Path, index: int) -> tuple[Path, Path]:
     """The shard's conversations and its commit file (written last, so it marks completion)."""
     return (
-        paths.REGENERATED_SHARDS / (paths.REGENERATED_SHARD.format(index=index) + ".parquet"),
-        paths.REGENERATED_SHARDS / (paths.REGENERATED_SHARD.format(index=index) + ".json"),
+        shards / (SHARD.format(index=index) + ".parquet"),
+        shards / (SHARD.format(index=index) + ".json"),
     )
 
 
-def completed_shard(index: int, fp: str) -> dict | None:
+def completed_shard(shards: Path, index: int, fp: str) -> dict | None:
     """The stats of shard ``index`` if it was finished with fingerprint ``fp``, else None."""
-    data, commit = shard_paths(index)
+    data, commit = shard_paths(shards, index)
     if not (data.exists() and commit.exists()):
         return None
     stats = json.loads(commit.read_text())
     return stats if stats.get("fingerprint") == fp else None
 
 
-def remove_stale_shards(fp: str) -> None:
+def remove_stale_shards(shards: Path, fp: str) -> None:
     """Delete shards committed under another fingerprint, so outputs never mix runs."""
-    for commit in paths.REGENERATED_SHARDS.glob(paths.REGENERATED_SHARD_COMMITS):
+    for commit in shards.glob(SHARD_COMMITS):
         if json.loads(commit.read_text()).get("fingerprint") != fp:
             commit.unlink()
             commit.with_suffix(".parquet").unlink(missing_ok=True)
-
-
-def in_process(config: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[Backend, dict]:
-    """``model.generate`` here, seeded per shard so a resumed run samples what an
-    uninterrupted one would have; the engine is the device."""
-    device, _ = target_device_dtype()
-    model = load_target(paths.TARGET, device)
-    options = dict(config.data.chat_template_kwargs)
-
-    def answer(rows: list[dict], index: int, progress: tqdm) -> tuple[list[dict], dict]:
-        torch.manual_seed(config.regenerate.seed + index)
-        return regenerate_shard(
-            model, tokenizer, rows, config.regenerate, config.data.max_seq_len, progress, options
-        )
-
-    return answer, {"device": device.type}
 
 
 def served(
@@ -299,17 +260,18 @@ def served(
 
 
 def shard_of(
-    index: int, rows: list[dict], fp: str, answer: Backend, progress: tqdm
+    shards: Path, index: int, rows: list[dict], fp: str, answer: Backend, progress: tqdm
 ) -> tuple[list[dict], dict, bool]:
-    """Shard ``index``: read back if committed under ``fp``, else regenerated and committed.
+    """Shard ``index`` in ``shards``: read back if committed under ``fp``, else regenerated and
+    committed.
 
     Returns its conversations, its stats and whether it was made now. A shard that lost a
     conversation to a server failure is not committed: a rerun makes it again. Shards of
     another fingerprint are removed before the first commit, so a run that commits nothing
     leaves them.
     """
-    data, commit = shard_paths(index)
-    stats = completed_shard(index, fp)
+    data, commit = shard_paths(shards, index)
+    stats = completed_shard(shards, index, fp)
     if stats is not None:
         progress.update(stats["turns"] + stats["outside_window"])
         return read_conversations(data), stats, False
@@ -318,118 +280,7 @@ def shard_of(
     stats |= {"fingerprint": fp, "conversations": len(shard)}
     stats["seconds"] = time.perf_counter() - began
     if not stats.get("failed"):
-        remove_stale_shards(fp)
+        remove_stale_shards(shards, fp)
         write_conversations(shard, data)
         write_json_atomic(commit, stats)
     return shard, stats, True
-
-
-def regenerate(config: Config) -> dict:
-    """Regenerate ``paths.CONVERSATIONS`` shard by shard; return the report."""
-    size = config.regenerate.shard_size
-    if config.data.max_seq_len <= config.regenerate.max_new_tokens:
-        raise ValueError(
-            f"data.max_seq_len = {config.data.max_seq_len} leaves no room for a prompt with "
-            f"regenerate.max_new_tokens = {config.regenerate.max_new_tokens}"
-        )
-    tokenizer = load_tokenizer(paths.TOKENIZER)
-    if config.regenerate.backend == "openai":
-        answer, engine = served(config, tokenizer, dict(config.data.chat_template_kwargs))
-    else:
-        answer, engine = in_process(config, tokenizer)
-    rows = read_conversations(paths.CONVERSATIONS)
-    fp = fingerprint(config, engine)
-    allowed = config.regenerate.max_failed_fraction * len(rows)
-    totals = dict.fromkeys(COUNTS, 0)
-    failed: Counter[str] = Counter()
-    served_by: Counter[str] = Counter()
-    failed_requests: Counter[str] = Counter()
-    lost: list[int] = []
-    fresh = {"shards": 0, "conversations": 0, "tokens_generated": 0, "seconds": 0.0}
-    output: list[dict] = []
-    turns = sum(len(answer_turns(r["messages"])) for r in rows)
-    progress = progress_bar(total=turns, desc="regenerate", unit="turn")
-    starts = range(0, len(rows), size)
-    for index, start in enumerate(starts):
-        shard, stats, made = shard_of(index, rows[start : start + size], fp, answer, progress)
-        output.extend(shard)
-        totals = {key: totals[key] + stats[key] for key in COUNTS}
-        failed.update(stats.get("failed", {}))
-        if stats.get("failed"):
-            lost.append(index)
-            if failed.total() > allowed:
-                break
-        if made:
-            fresh["shards"] += 1
-            fresh["conversations"] += len(shard)
-            fresh["tokens_generated"] += stats["tokens_generated"]
-            fresh["seconds"] += stats["seconds"]
-            served_by.update(stats.get("endpoint_turns", {}))
-            failed_requests.update(stats.get("failed_requests", {}))
-    progress.close()
-    if failed.total() > allowed:
-        raise regeneration_lost(lost, failed, len(rows), config.regenerate.max_failed_fraction)
-    remove_files(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT)
-    write_conversations(output, paths.REGENERATED_CONVERSATIONS)
-    seconds = fresh["seconds"]
-    return {
-        "skipped": False,
-        "conversations": len(output),
-        "turns_regenerated": totals["turns"],
-        "turns_outside_window": totals["outside_window"],
-        "tokens_generated": totals["tokens_generated"],
-        "empty_responses": totals["empty_responses"],
-        "unterminated_responses": totals["unterminated"],
-        "cut_at_stop_string": totals["cut_at_stop_string"],
-        "shards": len(starts),
-        "shards_made": fresh["shards"],
-        "failed_conversations": dict(sorted(failed.items())),
-        "shards_not_committed": lost,
-        "fingerprint": fp,
-        "engine": engine,
-        "endpoint_turns": dict(sorted(served_by.items())),
-        "failed_requests": dict(sorted(failed_requests.items())),
-        "seconds": seconds,
-        "tokens_per_s": fresh["tokens_generated"] / seconds if seconds else None,
-        "conversations_per_s": fresh["conversations"] / seconds if seconds else None,
-    }
-
-
-def regeneration_lost(shards: list[int], failed: Counter, total: int, fraction: float):
-    """The error a run ends with when servers failed too many conversations: the user fixes
-    them and reruns, which redoes only the shards not committed."""
-    from dflash.data.serving import EndpointError
-
-    return EndpointError(
-        f"regenerate: {failed.total()} conversations (of {total}) failed on the servers "
-        f"({dict(sorted(failed.items()))}), more than regenerate.max_failed_fraction = "
-        f"{fraction} allows (the run stops there); shards {shards} were not committed and "
-        f"the previous {paths.REGENERATED} is left in place: rerun to retry them"
-    )
-
-
-def copy_conversations() -> dict:
-    """``data.regenerate: false``: the training split passes through unchanged.
-
-    A byte copy in the file system's own chunks: memory does not grow with the corpus."""
-    remove_files(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT)
-    with atomic_path(paths.REGENERATED_CONVERSATIONS) as tmp:
-        shutil.copyfile(paths.CONVERSATIONS, tmp)
-    return {"skipped": True, "conversations": count_conversations(paths.CONVERSATIONS)}
-
-
-def run(config: Config) -> None:
-    """Write ``paths.REGENERATED_CONVERSATIONS`` and ``data/regenerated/report.json``."""
-    set_cpu_threads()
-    # The report is written last and marks a finished run: it is removed just before the
-    # conversations are replaced, so a run that dies leaves none beside new conversations.
-    report = regenerate(config) if config.data.regenerate else copy_conversations()
-    details = RegenerateReport.model_validate(report)
-    write_metrics(paths.REGENERATE_METRICS, paths.REGENERATE_REPORT, details, RegenerateHeadline)
-    if report["skipped"]:
-        logger.info(f"skipped, copied {report['conversations']} conversations")
-    else:
-        logger.info(
-            f"{report['turns_regenerated']} turns of {report['conversations']} "
-            f"conversations, {report['tokens_generated']} tokens"
-        )

@@ -20,10 +20,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash import paths
-
 TOKEN_DTYPE = np.uint32
 MASK_DTYPE = np.uint8
+STORE_TOKENS = "tokens.bin"
+STORE_LOSS_MASK = "loss_mask.bin"
+STORE_INDEX = "index.parquet"
+STORE_MANIFEST = "manifest.json"
+"""The four files of a token store directory."""
 INDEX_SCHEMA = pa.schema(
     [
         ("sample_id", pa.int64()),
@@ -49,9 +52,9 @@ class TokenStoreWriter:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._tokens = open(self.directory / paths.STORE_TOKENS, "wb")
-        self._mask = open(self.directory / paths.STORE_LOSS_MASK, "wb")
-        self._index = pq.ParquetWriter(self.directory / paths.STORE_INDEX, INDEX_SCHEMA)
+        self._tokens = open(self.directory / STORE_TOKENS, "wb")
+        self._mask = open(self.directory / STORE_LOSS_MASK, "wb")
+        self._index = pq.ParquetWriter(self.directory / STORE_INDEX, INDEX_SCHEMA)
         self._pending: list[pa.Table] = []
         self._n_pending = 0
         self.n_samples = 0
@@ -115,7 +118,7 @@ class TokenStoreWriter:
                 "loss_mask": np.dtype(MASK_DTYPE).name,
             },
         }
-        (self.directory / paths.STORE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        (self.directory / STORE_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         return manifest
 
 
@@ -128,14 +131,14 @@ class TokenStore:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self.manifest: dict = json.loads((self.directory / paths.STORE_MANIFEST).read_text())
-        index = pq.read_table(self.directory / paths.STORE_INDEX)
+        self.manifest: dict = json.loads((self.directory / STORE_MANIFEST).read_text())
+        index = pq.read_table(self.directory / STORE_INDEX)
         self.offsets: np.ndarray = index["offset"].to_numpy()
         self.lengths: np.ndarray = index["length"].to_numpy().astype(np.int32)
         self.n_loss_tokens: np.ndarray = index["n_loss_tokens"].to_numpy().astype(np.int32)
         self.conversation_ids: list[str] = index["conversation_id"].to_pylist()
         n_tokens = self.manifest["n_tokens"]
-        for name, dtype in ((paths.STORE_TOKENS, TOKEN_DTYPE), (paths.STORE_LOSS_MASK, MASK_DTYPE)):
+        for name, dtype in ((STORE_TOKENS, TOKEN_DTYPE), (STORE_LOSS_MASK, MASK_DTYPE)):
             size = (self.directory / name).stat().st_size
             if size != n_tokens * np.dtype(dtype).itemsize:
                 raise ValueError(
@@ -153,8 +156,8 @@ class TokenStore:
         if not 0 <= sample_id < len(self):
             raise IndexError(f"sample_id {sample_id} out of range for {len(self)} samples")
         if self._tokens is None:
-            self._tokens = self._map(paths.STORE_TOKENS, TOKEN_DTYPE)
-            self._mask = self._map(paths.STORE_LOSS_MASK, MASK_DTYPE)
+            self._tokens = self._map(STORE_TOKENS, TOKEN_DTYPE)
+            self._mask = self._map(STORE_LOSS_MASK, MASK_DTYPE)
         start = int(self.offsets[sample_id])
         stop = start + int(self.lengths[sample_id])
         return self._tokens[start:stop], self._mask[start:stop]

@@ -1,4 +1,4 @@
-"""The tokenize stage: conversations to a memory-mapped token store with a loss mask.
+"""Tokenizing: conversations to a memory-mapped token store with a loss mask.
 
 Conversations stream through in chunks of ``data.chunk_size``, encoded by
 ``data.num_workers`` processes and written in input order, so memory is bounded by a few
@@ -15,8 +15,6 @@ that keeps no sample fails with the report.
 
 from __future__ import annotations
 
-import json
-import logging
 import multiprocessing
 import os
 from collections import deque
@@ -30,17 +28,11 @@ import numpy as np
 import pyarrow as pa
 from transformers import PreTrainedTokenizerFast
 
-from dflash import paths
-from dflash.config import Config
 from dflash.data.chat import SKIP_REASONS, encode_chats
 from dflash.data.conversations import batch_rows, count_conversations, iter_batches
-from dflash.data.store import TokenStore, TokenStoreWriter
-from dflash.data.tokenizer import load_tokenizer, tokenizer_hash
-from dflash.fileio import atomic_dir, write_json_atomic
-from dflash.metrics_schema import TokenizeReport
+from dflash.data.store import TokenStoreWriter
+from dflash.data.tokenizer import tokenizer_hash
 from dflash.progress import progress_bar
-
-logger = logging.getLogger(__name__)
 
 DROP_REASONS = ("overlength", "too_few_loss_tokens")
 CHUNKS_IN_FLIGHT = 2
@@ -277,44 +269,3 @@ class NoSamplesError(RuntimeError):
     def __init__(self, report: dict) -> None:
         super().__init__("no training samples")
         self.report = report
-
-
-def run(config: Config) -> int:
-    """Tokenize ``data/regenerated/conversations.parquet`` into ``data/tokenized``."""
-    tokenizer = load_tokenizer(paths.TOKENIZER)
-    data = config.data
-    policy = Policy(
-        data.max_seq_len,
-        data.overlength,
-        2 * config.drafter.block_size,
-        data.turns,
-        dict(data.chat_template_kwargs),
-        data.special_tokens_in_content,
-    )
-    try:
-        with atomic_dir(paths.TOKENIZED) as out:
-            manifest = tokenize_file(
-                paths.REGENERATED_CONVERSATIONS,
-                tokenizer,
-                out,
-                policy,
-                data.chunk_size,
-                worker_count(data.num_workers),
-            )
-            report = {**manifest, "length": length_summary(TokenStore(out).lengths)}
-            if manifest["n_samples"] == 0:
-                raise NoSamplesError(report)
-            shown = TokenizeReport.model_validate(report).dump()
-            write_json_atomic(out / paths.TOKENIZE_REPORT.name, shown)
-    except NoSamplesError as err:
-        logger.error(
-            f"no training samples; nothing written. Report:\n{json.dumps(err.report, indent=2)}"
-        )
-        return 1
-    logger.info(
-        f"{manifest['n_samples']} samples, {manifest['n_tokens']} tokens "
-        f"({manifest['n_loss_tokens']} with loss), truncated {manifest['truncated']}, "
-        f"dropped {manifest['dropped']}, assistant turns {manifest['assistant_turns']}, "
-        f"special tokens in content {manifest['special_tokens_in_content']}"
-    )
-    return 0

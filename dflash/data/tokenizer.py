@@ -1,4 +1,4 @@
-"""The tokenizer stage: train a small byte-level BPE, or adopt the target's tokenizer.
+"""The tokenizer: train a small byte-level BPE, or adopt the target's tokenizer.
 
 Either way the result is a Hugging Face tokenizer directory with a chat template and the
 ``<|MASK|>`` token the drafter fills its blocks with. A small ``dflash_tokenizer.json``
@@ -16,10 +16,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from dflash import paths
-from dflash.config import Config
 from dflash.data.conversations import ROW_GROUP, iter_batches
-from dflash.fileio import atomic_dir, write_json_atomic
 from dflash.fingerprint import digest
 
 logger = logging.getLogger(__name__)
@@ -28,6 +25,8 @@ MASK_TOKEN = "<|MASK|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
+INFO_FILE = "dflash_tokenizer.json"
+"""In a tokenizer directory: where it came from, its mask token and its hash."""
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, MASK_TOKEN]
 
 CHAT_TEMPLATE = (
@@ -139,34 +138,6 @@ def corpus_texts(path: str | Path) -> Iterator[str]:
         yield from messages.field("reasoning_content").drop_null().to_pylist()
         yield from calls.field("name").to_pylist()
         yield from calls.field("arguments").to_pylist()
-
-
-def run(config: Config) -> None:
-    """Write ``models/tokenizer``: trained on the training split, or ``tokenizer.path``."""
-    if config.tokenizer.path is None:
-        tokenizer = train_tokenizer(corpus_texts(paths.CONVERSATIONS), config.tokenizer.vocab_size)
-        source = "trained"
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.path, local_files_only=True)
-        if not tokenizer.is_fast:
-            raise ValueError(f"tokenizer.path = {config.tokenizer.path}: not a fast tokenizer")
-        if not tokenizer.chat_template:
-            raise ValueError(f"tokenizer.path = {config.tokenizer.path}: has no chat_template")
-        source = str(config.tokenizer.path)
-    added = add_mask_token(tokenizer, config.drafter.mask_token)
-    info = {
-        "source": source,
-        "mask_token": tokenizer.mask_token,
-        "mask_token_id": tokenizer.mask_token_id,
-        "mask_token_added": added,
-        "vocab_size": len(tokenizer),
-        "hash": tokenizer_hash(tokenizer),
-    }
-    with atomic_dir(paths.TOKENIZER) as out:  # no file of a previous tokenizer stays
-        tokenizer.save_pretrained(str(out))
-        write_json_atomic(out / paths.TOKENIZER_INFO, info)
-    mask = f"{tokenizer.mask_token} id {tokenizer.mask_token_id}"
-    logger.info(f"{source}, {len(tokenizer)} tokens, mask {mask}")
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -1,4 +1,4 @@
-"""Stage ``evaluate``: τ of the trained drafter on prompt sets, against two baselines.
+"""Scoring a drafter: τ on prompt sets, against two baselines (the evaluate stage runs it).
 
 The held-out split is always scored (its figures are the top-level keys of
 ``metrics/eval.json``); ``evaluate.sets`` adds the user's prompt sets, each under ``sets``
@@ -12,37 +12,24 @@ rounding. Each set is broken down by strata (:mod:`dflash.eval.strata`).
 
 from __future__ import annotations
 
-import logging
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from dflash import paths
 from dflash.config import Config
-from dflash.data.tokenizer import load_tokenizer, stop_token_ids
-from dflash.eval.freshness import stale_drafter
 from dflash.eval.length_loss import loss_by_tercile, sample_loss
-from dflash.eval.live import write_eval_outputs
 from dflash.eval.loops import ends_in_loop
 from dflash.eval.lossless import classify
 from dflash.eval.metrics import acceptance_by_position, summarize_method, wall_seconds
-from dflash.eval.ngram import NgramProposer
-from dflash.eval.prompts import PromptSet, prompt_sets
+from dflash.eval.prompts import PromptSet
 from dflash.eval.strata import strata
-from dflash.fingerprint import path_digest
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import (
-    DrafterProposer,
     GenerateOutput,
     greedy_decode,
     speculative_generate,
 )
-from dflash.model.load import load_target
 from dflash.progress import progress_bar
-
-logger = logging.getLogger(__name__)
 
 METHODS = ("dflash", "ngram", "untrained")
 NGRAM_MAX = 4
@@ -144,39 +131,3 @@ def score(target, drafter, proposers: dict, prompt_set: PromptSet, config: Confi
     metrics["modes"] = prompt_set.modes
     metrics["records"] = prompt_set.records
     return metrics, decodes
-
-
-def run(config: Config) -> int:
-    stale = stale_drafter(Path.cwd())
-    if stale:
-        print(f"dflash evaluate: {stale}", file=sys.stderr)
-        return 2
-    torch.manual_seed(config.evaluate.seed)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(paths.TARGET, device=device)
-    drafter = DFlashDrafter.from_pretrained(paths.DRAFTER, target).to(device).eval()
-    tokenizer = load_tokenizer(paths.TOKENIZER)
-    sets = prompt_sets(config, tokenizer)
-    bs, stop_ids = drafter.config.block_size, stop_token_ids(tokenizer)
-    proposers = {
-        "dflash": DrafterProposer(drafter),
-        "ngram": NgramProposer(bs, NGRAM_MAX),
-        "untrained": DrafterProposer(untrained_drafter(drafter, target, config.train.seed)),
-    }
-    scored = [score(target, drafter, proposers, s, config, stop_ids) for s in sets]
-    metrics, decodes = scored[0]  # the held-out split: today's keys at the top
-    metrics["sets"] = {s.name: m for s, (m, _) in zip(sets[1:], scored[1:], strict=True)}
-    metrics["drafter_sha256"] = path_digest(paths.DRAFTER)  # what was scored, for publishing
-    write_eval_outputs(metrics, decodes)
-    for s, (m, _) in zip(sets, scored, strict=True):
-        base = m["baselines"]
-        logger.info(
-            f"{s.name}: τ = {m['acceptance_length']:.3f} per response "
-            f"({m['acceptance_length_pooled']:.3f} pooled, {m['acceptance_length_zlab']:.3f} "
-            f"z-lab's count) over {m['n_prompts']} prompts; n-gram "
-            f"{base['ngram']['acceptance_length']:.3f}, untrained "
-            f"{base['untrained']['acceptance_length']:.3f}; mismatches "
-            f"{m['lossless_mismatches']} (near-ties {m['near_tie_divergences']}), "
-            f"decode speedup {m['speedup']:.2f}x"
-        )
-    return 0

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from dflash import paths
 from dflash.config import HELDOUT_SET, Config, PromptSetConfig
 from dflash.data.chat import TEMPLATE_FAILURES, template_renderer
 from dflash.data.conversations import read_conversations
@@ -103,11 +103,12 @@ def render_prompts(
     return prompts
 
 
-def read_prompt_file(path: str, key: str) -> tuple[list[dict], dict]:
-    """The conversations of a set's file, and how it was read (the counts ingest reports)."""
+def read_prompt_file(path: str, key: str, roots: tuple[Path, ...]) -> tuple[list[dict], dict]:
+    """The conversations of a set's file under ``roots`` (as for ``open_records``), and how it
+    was read (the counts ingest reports)."""
     tally = Tally(need_answer=False)
     conversations = []
-    for number, record in open_records(path, key, paths.PROMPTS):
+    for number, record in open_records(path, key, roots):
         accepted = tally.accept(number, record)
         if accepted is not None:
             conversations.append(accepted[0])
@@ -119,8 +120,11 @@ def read_prompt_file(path: str, key: str) -> tuple[list[dict], dict]:
     }
 
 
-def prompt_sets(config: Config, tokenizer) -> list[PromptSet]:
-    """The held-out split first, then every set of ``evaluate.sets`` in the order given."""
+def prompt_sets(
+    config: Config, tokenizer, heldout: Path, roots: tuple[Path, ...]
+) -> list[PromptSet]:
+    """The ``heldout`` split first, then every set of ``evaluate.sets`` (files under ``roots``)
+    in the order given."""
     ev = config.evaluate
     specs = {HELDOUT_SET: ev.sets.get(HELDOUT_SET, PromptSetConfig())}
     specs |= {name: spec for name, spec in ev.sets.items() if name != HELDOUT_SET}
@@ -129,10 +133,12 @@ def prompt_sets(config: Config, tokenizer) -> list[PromptSet]:
         modes = {m: base | options for m, options in (spec.modes or {DEFAULT_MODE: {}}).items()}
         new_tokens = spec.max_new_tokens or ev.max_new_tokens
         if spec.path is None:
-            conversations = read_conversations(paths.HELDOUT)
+            conversations = read_conversations(heldout)
             records = {"records_read": len(conversations), "skipped": {}}
         else:
-            conversations, records = read_prompt_file(spec.path, f"evaluate.sets.{name}.path")
+            conversations, records = read_prompt_file(
+                spec.path, f"evaluate.sets.{name}.path", roots
+            )
         prompts = render_prompts(
             conversations,
             tokenizer,
@@ -144,7 +150,7 @@ def prompt_sets(config: Config, tokenizer) -> list[PromptSet]:
             skipped=records["skipped"],
         )
         if not prompts:
-            where = spec.path or str(paths.HELDOUT)
+            where = spec.path or str(heldout)
             raise UserError(f"evaluate.sets.{name}: {where} gives no prompt to score {records}")
         records["prompts"] = len(prompts) // len(modes)
         out.append(PromptSet(name, prompts, list(modes), new_tokens, records))

@@ -2,8 +2,10 @@
 
 - ``features``: which target layers feed the drafter, and reading them from packed rows.
 - ``anchors``: random block starts of one document, re-drawn every epoch.
-- ``attention``: the block training rule, as a two-part kernel (CPU) or FlexAttention (CUDA).
+- ``drafter_attention``: the block training rule, as a two-part kernel (CPU) or FlexAttention
+  (CUDA).
 - ``drafter``: the KV-injection drafter, its config and its Hugging Face style export.
 - ``objective``: decay-weighted same-position block cross-entropy, LM head chunk by chunk.
 - ``generate``: greedy speculative decoding and the plain greedy reference.
+- ``target_attention``: the target's attention over packed rows, causal inside each document.
 """

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from dflash import paths
+from dflash.model.hf_files import REMOTE_CODE
 
 TRAINING_KEYS = (
     "final_loss",
@@ -88,7 +88,7 @@ python -m sglang.launch_server --model-path "$TARGET" \\
   --trust-remote-code
 ```
 
-Transformers (the modelling code is `{paths.DRAFTER_CODE}` in this directory):
+Transformers (the modelling code is `{REMOTE_CODE}` in this directory):
 
 ```python
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer

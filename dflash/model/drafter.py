@@ -23,9 +23,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash import paths
-from dflash.model import remote
-from dflash.model.attention import AnchorBlocks, BlockMask, attend
+from dflash.model import hf_files, remote
+from dflash.model.drafter_attention import AnchorBlocks, BlockMask, attend
 from dflash.model.export import config_json, read_config
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
 from dflash.model.remote import Attention, DFlashDraftConfig, DraftModules, Layer, rope, rope_theta
@@ -190,19 +189,19 @@ class DFlashDrafter(DraftModules, nn.Module):
         directory.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.borrowed.embed_tokens.weight.dtype
         config = config_json(self.config, target_config, dtype)
-        (directory / paths.DRAFTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        (directory / hf_files.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         weights = self.state_dict() if weights is None else weights
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
-        save_file(state, directory / paths.DRAFTER_WEIGHTS, metadata={"format": "pt"})
-        shutil.copyfile(remote.__file__, directory / paths.DRAFTER_CODE)
+        save_file(state, directory / hf_files.WEIGHTS, metadata={"format": "pt"})
+        shutil.copyfile(remote.__file__, directory / hf_files.REMOTE_CODE)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: nn.Module) -> DFlashDrafter:
         directory = Path(directory)
-        config = read_config(json.loads((directory / paths.DRAFTER_CONFIG).read_text()))
+        config = read_config(json.loads((directory / hf_files.CONFIG).read_text()))
         drafter = cls._attach(config, target)
         # copied into fp32 parameters, as in training, whatever dtype the file holds
-        drafter.load_state_dict(load_file(directory / paths.DRAFTER_WEIGHTS), strict=True)
+        drafter.load_state_dict(load_file(directory / hf_files.WEIGHTS), strict=True)
         return drafter
 
     def embed(self, token_ids: Tensor) -> Tensor:
@@ -234,8 +233,9 @@ class DFlashDrafter(DraftModules, nn.Module):
 
         ``block_ids``/``block_positions`` are ``[B, Q]``; ``features`` ``[B, C, n*H]`` are target
         features at ``context_positions`` ``[B, C]`` (with a cache: only the new ones). ``mask``
-        is the training rule from :func:`~dflash.model.attention.build_attention_mask`, a dense
-        ``[B, Q, C + Q]`` boolean mask, or None: every slot sees everything.
+        is the training rule from
+        :func:`~dflash.model.drafter_attention.build_attention_mask`, a dense ``[B, Q, C + Q]``
+        boolean mask, or None: every slot sees everything.
         """
         c = self.config
         x = self.embed(block_ids)

@@ -21,11 +21,10 @@ from typing import Any
 
 import torch
 
-from dflash import paths
-from dflash.declaration import declared_params
 from dflash.fileio import atomic_dir
 from dflash.model import remote
 from dflash.model.card import model_card
+from dflash.model.hf_files import MODEL_CARD, REMOTE_CODE
 from dflash.model.load import resolve_target_path
 from dflash.model.remote import DFlashDraftConfig
 
@@ -135,14 +134,14 @@ def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | No
 
 def auto_map() -> dict[str, str]:
     """Where ``AutoConfig`` and ``AutoModel`` find the classes of the shipped ``dflash.py``."""
-    module = Path(paths.DRAFTER_CODE).stem
+    module = Path(REMOTE_CODE).stem
     return {
         "AutoConfig": f"{module}.{remote.DFlashDraftConfig.__name__}",
         "AutoModel": f"{module}.{remote.DFlashDraftModel.__name__}",
     }
 
 
-def export_dtype(setting: str, target_dir: Path = paths.TARGET) -> torch.dtype | None:
+def export_dtype(setting: str, target_dir: Path) -> torch.dtype | None:
     """``export.dtype`` as a torch dtype; ``auto`` is the dtype the target's own config serves
     in (bf16 for a bf16 checkpoint), read from its files: the loaded target runs in fp32 on CPU.
     None when the config names none (the export then keeps the run's dtype)."""
@@ -156,18 +155,26 @@ def export_dtype(setting: str, target_dir: Path = paths.TARGET) -> torch.dtype |
 
 
 def export_run(
-    drafter: Any, config: Any, target_config: Any, training: dict, weights: dict | None = None
+    drafter: Any,
+    config: Any,
+    out: Path,
+    target_dir: Path,
+    params: dict,
+    target_config: Any,
+    training: dict,
+    weights: dict | None = None,
 ) -> None:
-    """A training run's export: in ``export.dtype``, with a model card of its params and
-    ``training``'s figures; ``weights`` as for ``export_drafter``."""
-    dtype = export_dtype(config.export.dtype) or drafter.borrowed.embed_tokens.weight.dtype
+    """A training run's export to ``out``: in ``export.dtype``, with a model card of its
+    ``params`` (by section) and ``training``'s figures; ``weights`` as for ``export_drafter``."""
+    dtype = export_dtype(config.export.dtype, target_dir)
+    dtype = dtype or drafter.borrowed.embed_tokens.weight.dtype
     card = model_card(
         config_json(drafter.config, target_config, dtype),
-        resolve_target_path(paths.TARGET),
-        declared_params(config),
+        resolve_target_path(target_dir),
+        params,
         training,
     )
-    export_drafter(drafter, paths.DRAFTER, target_config, dtype, card, weights)
+    export_drafter(drafter, out, target_config, dtype, card, weights)
 
 
 def loader_notes(config: Any) -> list[str]:
@@ -199,6 +206,6 @@ def export_drafter(
     with atomic_dir(out) as tmp:
         drafter.save_pretrained(tmp, target_config, dtype, weights)
         if card is not None:
-            (tmp / paths.DRAFTER_CARD).write_text(card)
+            (tmp / MODEL_CARD).write_text(card)
     for note in loader_notes(drafter.config):
         logger.info(f"{out}: {note}")

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from dflash.model.document_attention import DocumentLayout, ExactPathNeeded, document_attention
 from dflash.model.mixing import by_document_rows, refuse, unconfined
+from dflash.model.target_attention import DocumentLayout, ExactPathNeeded, target_attention
 
 
 def select_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
@@ -33,7 +33,7 @@ def one_document_per_row(document_ids: Tensor) -> bool:
     Such rows need no mask: the real tokens attend only to earlier real tokens under plain
     causal attention, and padding features are zeroed anyway, so SDPA runs its causal kernel
     with no ``T x T`` tensor at all, provided the positions run on through the padding (see
-    ``target_features``). Packed rows go through ``document_attention`` instead.
+    ``target_features``). Packed rows go through ``target_attention`` instead.
     """
     real = document_ids >= 0
     return bool((document_ids[real] == 0).all() and not (real[:, 1:] & ~real[:, :-1]).any())
@@ -120,7 +120,7 @@ def target_features(
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         return _features(target, input_ids, positions.expand_as(input_ids), document_ids, layer_ids)
     try:
-        with document_attention(target):
+        with target_attention(target):
             return _features(target, input_ids, position_ids, document_ids, layer_ids, layout)
     except ExactPathNeeded:
         if sharded:  # its other ranks went on with the forward: no second one here

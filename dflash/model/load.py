@@ -21,8 +21,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from dflash import paths
 from dflash.fingerprint import digest, path_digest
+from dflash.model.hf_files import WEIGHTS, WEIGHTS_INDEX
+
+TARGET_REFERENCE = "dflash_target.json"
+"""In a target directory: the reference to a model that is not copied (``target.path``)."""
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ def target_device_dtype() -> tuple[torch.device, torch.dtype]:
 
 def resolve_target_path(path_or_dir: str | Path) -> str:
     """The model directory (or hub id) behind ``path_or_dir``, following a reference file."""
-    reference = Path(path_or_dir) / paths.TARGET_REFERENCE
+    reference = Path(path_or_dir) / TARGET_REFERENCE
     if reference.is_file():
         return json.loads(reference.read_text())["path"]
     return str(path_or_dir)
@@ -68,11 +71,11 @@ def model_directory(path: str) -> Path:
 
 def weight_files(directory: Path) -> dict[str, Path] | None:
     """Which safetensors file holds each tensor, or None for weights in another format."""
-    index = directory / paths.WEIGHTS_INDEX
+    index = directory / WEIGHTS_INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: directory / file for name, file in weight_map.items()}
-    single = directory / paths.WEIGHTS_FILE
+    single = directory / WEIGHTS
     if not single.is_file():
         return None
     with safe_open(single, framework="pt") as handle:

@@ -1,6 +1,6 @@
 """Which way a target's packed rows go: document attention, or one document per row.
 
-Document attention (:mod:`dflash.model.document_attention`) confines softmax attention to each
+Document attention (:mod:`dflash.model.target_attention`) confines softmax attention to each
 document of a packed row; it confines nothing else. A layer that mixes tokens any other way
 (linear attention and its short convolution, a state-space scan, a token shift) would carry
 one document's state into the next. So each module of the decoder layers that run is judged
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from dflash.model.document_attention import DocumentLayout
+from dflash.model.target_attention import DocumentLayout
 
 CONFINED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """``config.layer_types`` entries whose layers document attention confines."""
@@ -51,7 +51,7 @@ _REFUSED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 def dispatches_attention(module: nn.Module) -> bool:
     """Whether ``module``'s forward calls Hugging Face's attention functions (the ones
-    ``document_attention`` swaps), read from its code, under any decorators."""
+    ``target_attention`` swaps), read from its code, under any decorators."""
     forward = inspect.unwrap(type(module).forward)
     code = getattr(forward, "__code__", None)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.model.attention import AnchorBlocks, build_attention_mask, flex_available
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter_attention import AnchorBlocks, build_attention_mask, flex_available
 
 
 class ObjectiveOutput(NamedTuple):

@@ -19,9 +19,9 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import Row
 from dflash.data.store import TokenStore
 from dflash.model.anchors import sample_anchors
-from dflash.model.document_attention import DocumentLayout
 from dflash.model.features import packing
 from dflash.model.objective import LabelPlan, label_plan
+from dflash.model.target_attention import DocumentLayout
 
 
 @dataclass

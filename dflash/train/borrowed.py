@@ -16,10 +16,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from dflash import paths
+from dflash.model.hf_files import WEIGHTS as SINGLE
+from dflash.model.hf_files import WEIGHTS_INDEX as INDEX
 from dflash.model.load import load_target, resolve_target_path
-
-INDEX, SINGLE = paths.HF_WEIGHTS_INDEX, paths.HF_WEIGHTS
 
 
 def weight_files(directory: Path) -> dict[str, Path]:

@@ -24,20 +24,24 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dflash import paths
-from dflash.closure import declared_inputs
-from dflash.config import Config
 from dflash.fileio import write_text_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.load import target_digest
 from dflash.train.dcp_safe import SafeLoadPlanner, SafeReader
 from dflash.train.distributed import Dist, barrier
+from dflash.train.files import TrainFiles
+
+CHECKPOINT_NAME = "step_{step:08d}"
+"""A checkpoint directory: ``torch.distributed.checkpoint`` shards and index, and CHECKPOINT_RUN."""
+CHECKPOINT_GLOB = "step_" + "[0-9]" * 8
+CHECKPOINT_RUN = "run.json"
+"""In a checkpoint directory: the run fingerprint and step, read before any shard."""
 
 logger = logging.getLogger(__name__)
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / paths.CHECKPOINT_NAME.format(step=step)
+    return directory / CHECKPOINT_NAME.format(step=step)
 
 
 def step_of(path: Path) -> int:
@@ -48,7 +52,7 @@ def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoint directories, newest (highest step) first."""
     if not directory.exists():
         return []
-    return sorted((p for p in directory.glob(paths.CHECKPOINT_GLOB) if p.is_dir()), reverse=True)
+    return sorted((p for p in directory.glob(CHECKPOINT_GLOB) if p.is_dir()), reverse=True)
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -116,7 +120,7 @@ def save_checkpoint(
     dcp.save(dict(parts), storage_writer=writer, process_group=group)
     if main:
         info = json.dumps({"fingerprint": fingerprint, "step": step})
-        write_text_atomic(tmp / paths.CHECKPOINT_RUN, info, fsync=True)
+        write_text_atomic(tmp / CHECKPOINT_RUN, info, fsync=True)
         _fsync(tmp)
         remove_checkpoint(path)
         tmp.rename(path)
@@ -137,7 +141,7 @@ def _intact(path: Path, fingerprint: str) -> str | None:
     if digest_file.read_text().strip() != path_digest(path):
         return "digest mismatch (truncated or corrupt)"
     try:
-        info = json.loads((path / paths.CHECKPOINT_RUN).read_text())
+        info = json.loads((path / CHECKPOINT_RUN).read_text())
     except (OSError, ValueError) as err:
         return f"unreadable run info ({type(err).__name__})"
     if info.get("fingerprint") != fingerprint:
@@ -179,27 +183,28 @@ def load_latest(
     return None, skipped
 
 
-def run_fingerprint(config: Config) -> str:
+def run_fingerprint(files: TrainFiles, declared: dict[str, Any]) -> str:
     """Everything the trained weights depend on; a checkpoint resumes only into the same run.
 
     Contents, not counts: a tokenizer fix that keeps every length changes the token store's
     bytes and so the fingerprint. The params are the ones ``train`` declares (its knobs
-    change no weight); the code is the train stage's import closure (``dflash.closure``).
+    change no weight); the code is the train stage's import closure (``declared``, from
+    ``dflash.closure.declared_inputs``).
     """
     return digest(
-        declared_inputs(config, "train")
+        declared
         | {
-            "tokens": path_digest(paths.TOKENIZED),
-            "plans": path_digest(paths.PLANS),
-            "target": target_digest(paths.TARGET),
-            "tokenizer": path_digest(paths.TOKENIZER),
+            "tokens": path_digest(files.tokenized),
+            "plans": path_digest(files.plans),
+            "target": target_digest(files.target),
+            "tokenizer": path_digest(files.tokenizer),
         }
     )
 
 
-def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str) -> int | None:
+def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str, directory: Path) -> int | None:
     """Load the newest intact checkpoint of this run into ``parts`` (its step), or start fresh."""
-    step, skipped = load_latest(paths.CHECKPOINTS, fingerprint, parts, ctx.group)
+    step, skipped = load_latest(directory, fingerprint, parts, ctx.group)
     if ctx.is_main:
         for reason in skipped:
             logger.info(f"skipping checkpoint {reason}")
@@ -208,13 +213,13 @@ def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str) -> int | None:
             "a checkpoint of this run passed its digest but could not be loaded, and loading "
             "may have changed the drafter in part; remove checkpoints/ to start fresh"
         )
-    if ctx.is_main and step is None and list_checkpoints(paths.CHECKPOINTS):
+    if ctx.is_main and step is None and list_checkpoints(directory):
         logger.info("no checkpoint of this run: starting fresh, old ones removed")
-        remove_checkpoints(paths.CHECKPOINTS)
+        remove_checkpoints(directory)
     if ctx.is_main and step is not None:
         # Newer ones passed over (unfinished, corrupt, another run's) would otherwise be
         # counted as "newest" when pruning and crowd out the checkpoints this run writes.
-        for path in list_checkpoints(paths.CHECKPOINTS):
+        for path in list_checkpoints(directory):
             if step_of(path) > step:
                 remove_checkpoint(path)
     barrier(ctx)

@@ -16,7 +16,6 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from dflash import paths
 from dflash.batching.io import epoch_path, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
@@ -27,6 +26,7 @@ from dflash.model.load import load_target
 from dflash.train import simulated
 from dflash.train.batches import build_micro_batch
 from dflash.train.distributed import Dist
+from dflash.train.files import TrainFiles
 from dflash.train.topology import Layout, fractions, schedule, start_point, wait
 
 ROW = ("input_ids", "document_ids", "position_ids", "loss_mask")
@@ -92,25 +92,25 @@ def receive_row(layout: Layout, width: int, dtype: torch.dtype, device) -> dict 
     return row
 
 
-def serve(config: Config, world: Dist, layout: Layout) -> None:
+def serve(config: Config, files: TrainFiles, world: Dist, layout: Layout) -> None:
     """Run a target rank from the drafter ranks' start point to the end of the last epoch."""
-    target = load_target(paths.TARGET, device=world.device)
+    target = load_target(files.target, device=world.device)
     d, t = config.drafter, config.train
     layer_ids = target_layer_ids(target.config.num_hidden_layers, d.num_target_features)
     dtype, autocast = target.get_input_embeddings().weight.dtype, autocast_for(world.device)
     if world.rank == layout.drafter_ranks:
-        tokenizer = load_tokenizer(paths.TOKENIZER)
+        tokenizer = load_tokenizer(files.tokenizer)
         options = dict(config.data.chat_template_kwargs)
         row = simulated.capture(
-            target, tokenizer, layer_ids, config.data.max_seq_len, autocast, options
+            files.heldout, target, tokenizer, layer_ids, config.data.max_seq_len, autocast, options
         )
         send_row(row, layout, world.device)
     first_epoch, first_step = start_point(world, 0, 0)
     began = time.perf_counter()
-    store, sender = TokenStore(paths.TOKENIZED), BoundedSender(layout, t.feature_prefetch)
+    store, sender = TokenStore(files.tokenized), BoundedSender(layout, t.feature_prefetch)
     windows = sliding_windows(target)
     for epoch in range(first_epoch, t.epochs):
-        path = epoch_path(paths.PLANS, epoch)
+        path = epoch_path(files.plans, epoch)
         rank_steps = [read_rank_plan(path, r) for r in range(layout.drafter_ranks)]
         first = first_step if epoch == first_epoch else 0
         for drafter, index, rows in schedule(layout, world.rank, rank_steps, first):

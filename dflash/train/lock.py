@@ -13,8 +13,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflash import paths
-
 HELD_BY_LAUNCHER = "DFLASH_TRAIN_LOCK_HELD"
 """Set in the ranks' environment by a launcher that holds the lock for them."""
 
@@ -29,7 +27,7 @@ class WorkspaceBusy(RuntimeError):
 
 
 @contextmanager
-def workspace_lock(path: str | Path = paths.TRAIN_LOCK) -> Iterator[int]:
+def workspace_lock(path: str | Path) -> Iterator[int]:
     """Hold the lock at ``path`` for the block; its file descriptor, to hand to children."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash import paths
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
@@ -28,8 +27,8 @@ from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
 from dflash.metrics_schema import TrainDetails, TrainHeadline
-from dflash.model.attention import flex_available, flex_compiles
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter_attention import flex_available, flex_compiles
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, load_target_shards, target_device_dtype
@@ -40,6 +39,7 @@ from dflash.train.borrowed import load_borrowed
 from dflash.train.clock import StepClock
 from dflash.train.distributed import Dist, barrier, from_rank_zero, init_distributed, shutdown
 from dflash.train.feature_server import receive_row, serve
+from dflash.train.files import Declared, TrainFiles
 from dflash.train.monitor import Monitor
 from dflash.train.parallel import (
     borrowed_unsharded,
@@ -63,33 +63,42 @@ class TrainingError(RuntimeError):
     """The run cannot go on (too many non-finite losses, a stale plan, ...)."""
 
 
-def train(config: Config) -> None:
+def train(config: Config, files: TrainFiles, declared: Declared) -> None:
     world = init_distributed()
     try:
         placement = topology.place(config.train, world)
         with topology.naming_role(placement.layout, world.rank):
             if placement.serves_target:
-                serve(config, world, placement.layout)
+                serve(config, files, world, placement.layout)
             else:
-                Trainer(config, placement.ctx, placement).fit()
+                Trainer(config, files, declared, placement.ctx, placement).fit()
     finally:
         shutdown(world)
 
 
 class Trainer:
-    def __init__(self, config: Config, ctx: Dist, placement: Placement | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        files: TrainFiles,
+        declared: Declared,
+        ctx: Dist,
+        placement: Placement | None = None,
+    ) -> None:
         self.config = config
+        self.files = files
+        self.declared = declared
         self.ctx = ctx
         self.placement = placement or Placement(ctx, None)
         torch.manual_seed(config.train.seed)
-        self.store = TokenStore(paths.TOKENIZED)
-        self.plan_meta = read_plan_meta(paths.PLANS)
+        self.store = TokenStore(files.tokenized)
+        self.plan_meta = read_plan_meta(files.plans)
         check_plan(self.plan_meta, self.store, config, ctx.world_size)
         self.epoch_steps = [e["n_steps"] for e in self.plan_meta["epochs"]][: config.train.epochs]
         self.total_steps = sum(self.epoch_steps)
 
         self.target = self._load_target()
-        tokenizer = load_tokenizer(paths.TOKENIZER)
+        tokenizer = load_tokenizer(files.tokenizer)
         mask_token_id = tokenizer.mask_token_id
         d = config.drafter
         self.drafter = DFlashDrafter.from_target(
@@ -127,7 +136,9 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.simulated = self._simulated(tokenizer)
-        self.fingerprint = from_rank_zero(ctx, lambda: checkpoint.run_fingerprint(config))
+        self.fingerprint = from_rank_zero(
+            ctx, lambda: checkpoint.run_fingerprint(files, declared.inputs)
+        )
         self.planned, self.loader = self._make_loader()
         self.clock = StepClock(ctx.device)
         self.state = TrainState()
@@ -137,7 +148,10 @@ class Trainer:
             "optimizer": OptimizerPart(self.drafter, self.optimizer),
             "scheduler": self.scheduler,
         }
-        if checkpoint.resume(ctx, self.parts, self.fingerprint) is not None and ctx.is_main:
+        if (
+            checkpoint.resume(ctx, self.parts, self.fingerprint, files.checkpoints) is not None
+            and ctx.is_main
+        ):
             s = self.state
             logger.info(
                 f"resumed at epoch {s.epoch} step {s.step_in_epoch} (global step {s.global_step})"
@@ -151,12 +165,12 @@ class Trainer:
         holds only the parts the drafter borrows.
         """
         if self.placement.layout is not None:
-            return load_borrowed(paths.TARGET, self.ctx.device, target_device_dtype()[1])
+            return load_borrowed(self.files.target, self.ctx.device, target_device_dtype()[1])
         if not sharded(self.ctx, self.config.train.parallelism):
-            return load_target(paths.TARGET, device=self.ctx.device)
+            return load_target(self.files.target, device=self.ctx.device)
         device_mesh = mesh(self.ctx)
         return load_target_shards(
-            paths.TARGET,
+            self.files.target,
             self.ctx.device,
             target_device_dtype()[1],
             lambda target: shard_target(target, device_mesh),
@@ -170,7 +184,13 @@ class Trainer:
             return SimulatedTau.from_row(row, self.drafter, self.autocast)
         options = dict(c.data.chat_template_kwargs)
         return SimulatedTau.build(
-            self.target, tokenizer, self.drafter, c.data.max_seq_len, self.autocast, options
+            self.files.heldout,
+            self.target,
+            tokenizer,
+            self.drafter,
+            c.data.max_seq_len,
+            self.autocast,
+            options,
         )
 
     # ----------------------------------------------------------------- the loop
@@ -178,15 +198,18 @@ class Trainer:
         """Train; ``metrics/train.json``, written last, records the drafter it finished.
 
         It is removed first, so after an interrupted run its absence says that
-        ``models/drafter`` (if any) is older than the last run (:mod:`dflash.eval.freshness`),
+        ``models/drafter`` (if any) is older than the last run (:mod:`dflash.freshness`),
         and a kill never leaves the previous run's metrics beside a new drafter.
         """
         t = self.config.train
         if self.ctx.is_main:
-            remove_files(paths.TRAIN_METRICS, paths.TRAIN_DETAILS)
+            remove_files(self.files.metrics, self.files.details)
         s = self.state
+        f = self.files
         monitor = (
-            Monitor(self.config, paths.TRAIN_PLOTS, s.rows, s.history) if self.ctx.is_main else None
+            Monitor(self.config, f.log, f.live, self.declared.params, s.rows, s.history)
+            if self.ctx.is_main
+            else None
         )
         self.features.start(s.epoch, s.step_in_epoch)
         while s.epoch < t.epochs:
@@ -199,10 +222,13 @@ class Trainer:
         weights = full_model_state(self.drafter)
         if self.ctx.is_main:
             summary |= monitor.stability()
-            export_run(self.drafter, self.config, self.target.config, summary, weights)
-            summary["drafter_sha256"] = path_digest(paths.DRAFTER)
+            export_run(
+                self.drafter, self.config, f.drafter, f.target, self.declared.params,
+                self.target.config, summary, weights,
+            )  # fmt: skip
+            summary["drafter_sha256"] = path_digest(f.drafter)
             details = TrainDetails.model_validate(summary)
-            write_metrics(paths.TRAIN_METRICS, paths.TRAIN_DETAILS, details, TrainHeadline)
+            write_metrics(f.metrics, f.details, details, TrainHeadline)
             monitor.finish(summary)
             logger.info(f"done: {json.dumps(summary)}")
         barrier(self.ctx)
@@ -256,12 +282,12 @@ class Trainer:
     def _save(self) -> None:
         keep, step = self.config.train.keep_checkpoints, self.state.global_step
         checkpoint.save_checkpoint(
-            paths.CHECKPOINTS, step, self.parts, self.fingerprint, keep, self.ctx.group
+            self.files.checkpoints, step, self.parts, self.fingerprint, keep, self.ctx.group
         )
 
     def _epoch_steps(self, epoch: int) -> list:
         """This rank's steps of the epoch's plan, checked against the plan's summary."""
-        path = epoch_path(paths.PLANS, epoch)
+        path = epoch_path(self.files.plans, epoch)
         check_epoch_file(path, self.plan_meta, epoch)
         steps = read_rank_plan(path, self.ctx.rank)
         if len(steps) != self.epoch_steps[epoch]:

@@ -19,11 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash import paths
 from dflash.config import Config
-from dflash.declaration import declared_params
+from dflash.dvclive_logger import open_live
 from dflash.fileio import write_text_atomic
-from dflash.live import open_live
 from dflash.train.stability import is_spike, stability
 
 logger = logging.getLogger(__name__)
@@ -48,16 +46,18 @@ class Monitor:
     def __init__(
         self,
         config: Config,
-        plots_dir: Path,
+        log_csv: Path,
+        live_dir: Path,
+        params: dict[str, Any],
         rows: list[dict[str, Any]],
         history: dict[str, list[float]] | None = None,
     ) -> None:
-        self.plots_dir = plots_dir
+        self.log_csv = log_csv
         self.rows = rows
         self.history = {} if history is None else history
         for key in ("loss", "grad_norm"):
             self.history.setdefault(key, [])
-        self.live = open_live(paths.TRAIN_LIVE)
+        self.live = open_live(live_dir)
         for row in rows:  # a resumed run: DVCLive starts over, with the curves so far
             self._log_live(row)
         self.run = None
@@ -67,7 +67,7 @@ class Monitor:
             self.run = wandb.init(
                 project=config.logging.project,
                 mode=config.logging.wandb,
-                config=declared_params(config),
+                config=params,
                 dir=os.environ.get("WANDB_DIR", "."),
                 settings=wandb.Settings(**wandb_quiet(os.environ)),
             )
@@ -101,11 +101,11 @@ class Monitor:
             for k, acc in enumerate(row.get("per_position_accuracy", []), start=1):
                 scalars[f"accuracy_by_position/{k:02d}"] = acc
             self.run.log(scalars, step=row["step"])
-        write_text_atomic(self.plots_dir / paths.TRAIN_LOG.name, rows_to_csv(self.rows))
+        write_text_atomic(self.log_csv, rows_to_csv(self.rows))
 
     def finish(self, summary: dict[str, Any]) -> None:
         # Also when no step ran (a finished run reused): the plot file is a DVC output.
-        write_text_atomic(self.plots_dir / paths.TRAIN_LOG.name, rows_to_csv(self.rows))
+        write_text_atomic(self.log_csv, rows_to_csv(self.rows))
         numbers = {k: v for k, v in summary.items() if isinstance(v, int | float)}
         self.live.summary.update(numbers)
         self.live.end()

@@ -11,26 +11,26 @@ import os
 
 import torch
 
-from dflash import paths
 from dflash.batching.io import read_plan_meta
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.errors import ConfigError
 from dflash.model.layer_ids import check_layer_selection, target_depth
 from dflash.model.load import resolve_target_path
+from dflash.train.files import TrainFiles
 from dflash.train.plan_check import check_plan
 from dflash.train.topology import processes
 
 logger = logging.getLogger(__name__)
 
 
-def preflight(config: Config) -> None:
+def preflight(config: Config, files: TrainFiles) -> None:
     """Raise a user error (exit 2) for a run that cannot go well; warn for a slow one."""
-    if paths.TARGET.exists():  # drafter.* changes rerun train, not the target stage's check
-        depth = target_depth(resolve_target_path(paths.TARGET), 0)
+    if files.target.exists():  # drafter.* changes rerun train, not the target stage's check
+        depth = target_depth(resolve_target_path(files.target), 0)
         check_layer_selection(depth, config.drafter.num_target_features)
     check_plan(
-        read_plan_meta(paths.PLANS), TokenStore(paths.TOKENIZED), config, config.train.world_size
+        read_plan_meta(files.plans), TokenStore(files.tokenized), config, config.train.world_size
     )
     t = config.train
     if t.topology == "decoupled":

@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from dflash import paths
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import stop_token_ids
-from dflash.model.attention import build_attention_mask
+from dflash.model.drafter_attention import build_attention_mask
 from dflash.model.features import target_features
 from dflash.model.generate import greedy_generate
 from dflash.model.objective import block_labels
@@ -79,11 +78,17 @@ def pack(prompts: list[list[int]], answers: list[list[int]], device) -> dict[str
 
 
 def capture(
-    target: nn.Module, tokenizer, layer_ids: list[int], max_seq_len: int, autocast, options: dict
+    heldout: Path,
+    target: nn.Module,
+    tokenizer,
+    layer_ids: list[int],
+    max_seq_len: int,
+    autocast,
+    options: dict,
 ) -> dict[str, Tensor] | None:
     """The target's part of the batch: the packed row and its features (None without
     held-out prompts). A decoupled target rank makes it and sends it to the drafter ranks."""
-    prompts = heldout_prompts(paths.HELDOUT, tokenizer, max_seq_len - NEW_TOKENS, options)
+    prompts = heldout_prompts(heldout, tokenizer, max_seq_len - NEW_TOKENS, options)
     if not prompts:
         return None
     device = target.get_input_embeddings().weight.device
@@ -116,11 +121,19 @@ class SimulatedTau:
 
     @classmethod
     def build(
-        cls, target: nn.Module, tokenizer, drafter, max_seq_len: int, autocast, options: dict
+        cls,
+        heldout: Path,
+        target: nn.Module,
+        tokenizer,
+        drafter,
+        max_seq_len: int,
+        autocast,
+        options: dict,
     ):
-        """The batch from ``paths.HELDOUT``; None when it holds no prompt to continue."""
+        """The batch from the ``heldout`` conversations; None when they hold no prompt to
+        continue."""
         layer_ids = drafter.config.target_layer_ids
-        row = capture(target, tokenizer, layer_ids, max_seq_len, autocast, options)
+        row = capture(heldout, target, tokenizer, layer_ids, max_seq_len, autocast, options)
         return cls.from_row(row, drafter, autocast)
 
     @classmethod

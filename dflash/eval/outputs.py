@@ -1,4 +1,4 @@
-"""The evaluate stage's outputs: its metrics, the acceptance plots, and DVCLive.
+"""What the evaluate stage writes of its metrics: the headline, the strata plot, DVCLive's summary.
 
 ``metrics/eval_details.json`` holds every figure and ``metrics/eval.json`` the headline that
 ``dvc exp show`` compares (the contracts in docs/design.md). DVCLive gets per-prompt τ of each
@@ -8,11 +8,8 @@ an output, not a metrics file, so it adds no column to ``dvc exp show``.
 
 from __future__ import annotations
 
-from dflash import paths
 from dflash.eval.strata import scorecard_rows
-from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.headline import EVAL, headline
-from dflash.live import open_live
 from dflash.metrics_schema import EvalDetails, EvalHeadline
 
 LIVE_SUMMARY = (
@@ -53,30 +50,6 @@ def strata_csv(metrics: EvalDetails) -> str:
         lines.append(",".join([f"{r['set']} {r['stratum']}", r["set"], r["stratum"], *shown,
                                str(r["n_prompts"])]))  # fmt: skip
     return "\n".join(lines) + "\n"
-
-
-def write_eval_outputs(metrics: dict, decodes) -> None:
-    """The old metrics go first and the new come last: a run killed in between leaves no old
-    metrics beside new acceptance rows (they are two files in two directories)."""
-    details = EvalDetails.model_validate(metrics)
-    remove_files(paths.EVAL_METRICS, paths.EVAL_DETAILS, paths.EVAL_ACCEPTANCE, paths.EVAL_STRATA)
-    per = details.per_position_acceptance
-    lines = "position,acceptance\n" + "".join(f"{k},{a:.6f}\n" for k, a in enumerate(per, 1))
-    write_text_atomic(paths.EVAL_ACCEPTANCE, lines)
-    write_text_atomic(paths.EVAL_STRATA, strata_csv(details))
-    live = open_live(paths.EVAL_LIVE)
-    for i in range(len(decodes.greedy)):
-        for name, outputs in decodes.methods.items():
-            accepted = outputs[i].accepted
-            if accepted:
-                live.log_metric(f"tau/{name}", sum(accepted) / len(accepted))
-        live.next_step()
-    points = [{"position": k, "acceptance": a} for k, a in enumerate(per, 1)]
-    live.log_plot("acceptance", points, x="position", y="acceptance", title="Acceptance")
-    live.summary.update(live_summary(details))
-    live.end()
-    write_json_atomic(paths.EVAL_DETAILS, details.dump(), sort_keys=True)
-    write_json_atomic(paths.EVAL_METRICS, eval_headline(details).dump(), sort_keys=True)
 
 
 def eval_headline(details: EvalDetails) -> EvalHeadline:

@@ -22,7 +22,7 @@ ride along as one more key: its score is the sink, its value zero (``_with_sink`
 same kernels merge it by log-sum-exp.
 
 The function is registered with Hugging Face's attention interfaces under ``NAME`` and is
-switched on only for the feature pass over packed rows (``document_attention``); the
+switched on only for the feature pass over packed rows (``target_attention``); the
 micro-batch's :class:`DocumentLayout` reaches it as a keyword argument of the model's forward.
 Which targets may take it at all is :mod:`dflash.model.mixing`'s call.
 """
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from dflash.model.attention import additive_mask, document_starts
+from dflash.model.drafter_attention import additive_mask, document_starts
 
 NAME = "dflash_documents"
 
@@ -394,7 +394,7 @@ AttentionMaskInterface.register(NAME, no_mask)
 
 
 @contextlib.contextmanager
-def document_attention(model: nn.Module) -> Iterator[None]:
+def target_attention(model: nn.Module) -> Iterator[None]:
     """Run ``model``'s attention through ``attention`` for the duration of the block.
 
     The implementation is a field of the config every attention module shares; it is put

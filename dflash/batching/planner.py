@@ -1,4 +1,4 @@
-"""Stage ``plan``: per-epoch batch plans for the chosen strategy, and their figures.
+"""Per-epoch batch plans for the chosen strategy, and their figures (the plan stage).
 
 ``plan_epoch`` is a pure function of (lengths, params, epoch): the generator of an epoch is
 ``default_rng([seed, epoch])``, so the same inputs give byte-identical files anywhere and a
@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dflash import paths
 from dflash.batching import io
 from dflash.batching.boundaries import METHODS, boundaries_by, explicit_boundaries
 from dflash.batching.cost import CostModel
@@ -30,8 +29,7 @@ from dflash.batching.params import PlanParams
 from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import validate_plans
 from dflash.config import Config
-from dflash.fileio import atomic_dir, require_only, write_json_atomic
-from dflash.metrics_schema import PlanMetrics
+from dflash.fileio import atomic_dir, require_only
 from dflash.params import at_least
 
 logger = logging.getLogger(__name__)
@@ -75,7 +73,7 @@ def write_plans(
     """
     if epochs < 1:
         raise BatchingError(f"epochs = {epochs}: must be >= 1")
-    require_only(out_dir, [paths.PLAN_EPOCH_GLOB, paths.PLAN_SUMMARY])
+    require_only(out_dir, [io.PLAN_EPOCH_GLOB, io.PLAN_SUMMARY])
     meta = plan_meta(lengths, params, epochs)
     per_epoch, previous = [], None
     with atomic_dir(out_dir) as tmp:
@@ -115,7 +113,7 @@ def resolve_boundaries(
     return tuple(edges)
 
 
-def params_from_config(config: Config, lengths: np.ndarray) -> PlanParams:
+def params_from_config(config: Config, lengths: np.ndarray, buckets_json: Path) -> PlanParams:
     b = config.batching
     boundaries = None
     if b.strategy == "bucketed":
@@ -124,7 +122,7 @@ def params_from_config(config: Config, lengths: np.ndarray) -> PlanParams:
             lengths,
             b.num_buckets,
             config.data.max_seq_len,
-            buckets_json=paths.STATS_BUCKETS,
+            buckets_json=buckets_json,
         )
     return PlanParams(
         strategy=b.strategy,
@@ -143,18 +141,7 @@ def params_from_config(config: Config, lengths: np.ndarray) -> PlanParams:
     )
 
 
-def run(config: Config) -> None:
-    lengths = read_lengths(paths.TOKEN_INDEX)
-    summary = write_plans(
-        lengths, params_from_config(config, lengths), config.train.epochs, paths.PLANS
-    )
-    # The plan's figures as a DVC metrics file (outside ``data/plans``, which is an out).
-    figures = {k: v for k, v in summary.items() if k != "meta"}
-    write_json_atomic(paths.PLAN_METRICS, PlanMetrics.model_validate(figures).dump())
-    logger.info(_headline(summary))
-
-
-def _headline(summary: dict[str, Any]) -> str:
+def headline(summary: dict[str, Any]) -> str:
     keys = ("n_steps", "padding_efficiency", "cost_imbalance", "frozen_batch_fraction")
     return ", ".join(
         f"{k}={summary[k]:.4g}" if summary[k] is not None else f"{k}=n/a" for k in keys
@@ -162,11 +149,14 @@ def _headline(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dflash.plan [...]`` plans a lengths file; ``... validate DIR`` checks one."""
+    """``python -m dflash.batching.planner [...]`` plans a lengths file; ``... validate DIR``
+    checks one."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["validate"]:
         return _validate_main(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m dflash.plan", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.batching.planner", description=main.__doc__
+    )
     parser.add_argument("--lengths", required=True, help="Parquet file with a 'length' column")
     parser.add_argument("--strategy", required=True, choices=list(STRATEGIES))
     parser.add_argument("--token-budget", type=at_least(1), required=True)
@@ -207,15 +197,16 @@ def main(argv: list[str] | None = None) -> int:
             params = replace(params, boundaries=edges)
         summary = write_plans(lengths, params, args.epochs, args.out)
     except (ValueError, OSError) as err:
-        print(f"dflash.plan: {err}", file=sys.stderr)
+        print(f"dflash.batching.planner: {err}", file=sys.stderr)
         return 2
-    print(_headline(summary))
+    print(headline(summary))
     return 0
 
 
 def _validate_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dflash.plan validate", description="check every invariant of a plan"
+        prog="python -m dflash.batching.planner validate",
+        description="check every invariant of a plan",
     )
     parser.add_argument("plans_dir")
     parser.add_argument("--lengths", required=True)
@@ -227,3 +218,7 @@ def _validate_main(argv: list[str]) -> int:
         return 1
     print(f"ok: {len(summary['epochs'])} epochs, {summary['n_steps']} steps, all invariants hold")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

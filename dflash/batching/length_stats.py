@@ -1,4 +1,4 @@
-"""Stage ``stats``: length statistics, bucket boundaries by three methods, and a plot.
+"""Length statistics, bucket boundaries by three methods, and a plot (the stats stage).
 
 For each boundary method ``buckets.json`` holds the edges, the efficiency its cost model
 predicts (every sample padded to its bucket's upper edge) and the efficiency measured by
@@ -17,14 +17,13 @@ from typing import Any
 import matplotlib
 import numpy as np
 
-from dflash import paths
 from dflash.batching.boundaries import METHODS, boundaries_by, predicted_efficiency
 from dflash.batching.errors import BatchingError
 from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import structure
 from dflash.batching.params import PlanParams
-from dflash.batching.plan import plan_epoch
-from dflash.config import Config
+from dflash.batching.planner import plan_epoch
+from dflash.batching.stats_files import BUCKETS, HISTOGRAM, LENGTHS, PLOT
 from dflash.fileio import atomic_dir, require_only, write_json_atomic
 from dflash.params import at_least
 
@@ -113,42 +112,22 @@ def write_stats(
     if num_buckets < 1:
         raise BatchingError(f"num_buckets = {num_buckets}: must be >= 1")
     check_lengths(lengths, params.max_seq_len, params.token_budget)
-    stats_files = (
-        paths.STATS_LENGTHS,
-        paths.STATS_BUCKETS,
-        paths.STATS_HISTOGRAM,
-        paths.STATS_PLOT,
-    )
-    require_only(out_dir, [p.name for p in stats_files])
+    require_only(out_dir, [LENGTHS, BUCKETS, HISTOGRAM, PLOT])
     summary = describe(lengths)
     report = bucket_report(lengths, num_buckets, params)
     with atomic_dir(out_dir) as tmp:
-        write_json_atomic(tmp / paths.STATS_LENGTHS.name, summary)
-        write_json_atomic(tmp / paths.STATS_BUCKETS.name, report)
-        with open(tmp / paths.STATS_HISTOGRAM.name, "w", newline="") as f:
+        write_json_atomic(tmp / LENGTHS, summary)
+        write_json_atomic(tmp / BUCKETS, report)
+        with open(tmp / HISTOGRAM, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["length", "count"])
             edges, counts = summary["histogram"]["edges"], summary["histogram"]["counts"]
             writer.writerows(zip(edges[:-1], counts, strict=True))
-        plot_lengths(lengths, report, tmp / paths.STATS_PLOT.name)
+        plot_lengths(lengths, report, tmp / PLOT)
     return report
 
 
-def run(config: Config) -> None:
-    b = config.batching
-    lengths = read_lengths(paths.TOKEN_INDEX)
-    params = PlanParams(
-        strategy="bucketed",
-        token_budget=b.token_budget,
-        max_seq_len=config.data.max_seq_len,
-        max_batch_size=b.max_batch_size,
-        seed=b.seed,
-    )
-    report = write_stats(lengths, b.num_buckets, params, paths.STATS)
-    logger.info(_headline(report))
-
-
-def _headline(report: dict[str, Any]) -> str:
+def headline(report: dict[str, Any]) -> str:
     return ", ".join(
         f"{m}: {e['predicted_efficiency']:.3f} predicted / {e['simulated_efficiency']:.3f} planned"
         for m, e in report.items()
@@ -156,8 +135,11 @@ def _headline(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dflash.stats --lengths L.parquet --num-buckets K --token-budget N --out DIR``."""
-    parser = argparse.ArgumentParser(prog="python -m dflash.stats", description=__doc__)
+    """``python -m dflash.batching.length_stats --lengths L.parquet --num-buckets K
+    --token-budget N --out DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash.batching.length_stats", description=__doc__
+    )
     parser.add_argument("--lengths", required=True, help="Parquet file with a 'length' column")
     parser.add_argument("--num-buckets", type=at_least(1), required=True)
     parser.add_argument("--token-budget", type=at_least(1), required=True)
@@ -177,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         report = write_stats(lengths, args.num_buckets, params, args.out)
     except (ValueError, OSError) as err:
-        print(f"dflash.stats: {err}", file=sys.stderr)
+        print(f"dflash.batching.length_stats: {err}", file=sys.stderr)
         return 2
-    print(_headline(report))
+    print(headline(report))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

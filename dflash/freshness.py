@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash import paths
 from dflash.fingerprint import path_digest
 from dflash.metrics_schema import TrainDetails, read
+from dflash.workspace import Workspace
+
+NAMES = Workspace()
+"""The workspace's paths relative to its root: how the messages name them."""
 
 
 def stale_drafter(root: Path) -> str | None:
@@ -21,23 +24,23 @@ def stale_drafter(root: Path) -> str | None:
     Metrics without a digest (written before digests were recorded) prove nothing either way
     and pass.
     """
-    if not (root / paths.DRAFTER).is_dir():
+    if not (root / NAMES.drafter).is_dir():
         return None
-    metrics = root / paths.TRAIN_METRICS
+    metrics = root / NAMES.train_metrics
     rerun = "rerun the train stage (`dvc repro train` or `dflash train`)"
     if not metrics.exists():
         return (
-            f"{paths.TRAIN_METRICS} is missing: the last training run did not finish, so "
-            f"{paths.DRAFTER} is left from an older run; {rerun}"
+            f"{NAMES.train_metrics} is missing: the last training run did not finish, so "
+            f"{NAMES.drafter} is left from an older run; {rerun}"
         )
-    details = paths.TRAIN_DETAILS if (root / paths.TRAIN_DETAILS).exists() else paths.TRAIN_METRICS
+    details = NAMES.train_details if (root / NAMES.train_details).exists() else NAMES.train_metrics
     train = read(TrainDetails, root / details)
     if isinstance(train, str):
         return f"{details} is unreadable: the last training run did not finish; {rerun}"
     recorded = train.drafter_sha256
-    if recorded is not None and recorded != path_digest(root / paths.DRAFTER):
+    if recorded is not None and recorded != path_digest(root / NAMES.drafter):
         return (
-            f"{paths.DRAFTER} is not the drafter the last training run wrote (its digest "
+            f"{NAMES.drafter} is not the drafter the last training run wrote (its digest "
             f"differs from the one in {details}); {rerun}"
         )
     return None

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash.model import attention
-from dflash.model.attention import (
+from dflash.model import drafter_attention as attention
+from dflash.model.drafter_attention import (
     anchor_blocks,
     attend,
     build_attention_mask,

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash import paths
 from dflash.config import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import IM_END, load_tokenizer
@@ -24,7 +23,7 @@ from dflash.fingerprint import digest
 from dflash.headline import write_metrics
 from dflash.metrics_schema import TargetDetails, TargetHeadline
 from dflash.model.layer_ids import check_layer_selection, target_depth
-from dflash.model.load import load_target
+from dflash.model.load import TARGET_REFERENCE, load_target
 from dflash.model.pretrain import (
     build_tiny_target,
     encode_windows,
@@ -33,6 +32,7 @@ from dflash.model.pretrain import (
     pretrain,
 )
 from dflash.threads import set_cpu_threads
+from dflash.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,11 @@ def score_heldout(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
+    heldout: Path,
     max_rows: int | None = None,
 ) -> dict:
-    """Held-out loss and perplexity on ``paths.HELDOUT`` (empty when it has no conversations)."""
-    rows = read_conversations(paths.HELDOUT) if paths.HELDOUT.exists() else []
+    """Held-out loss and perplexity on ``heldout`` (empty when it has no conversations)."""
+    rows = read_conversations(heldout) if heldout.exists() else []
     if not rows:
         return {}
     documents, _ = encode_windows(rows, tokenizer, max_seq_len)
@@ -63,16 +64,16 @@ def score_heldout(
     return {"heldout_loss": loss, "heldout_perplexity": math.exp(loss), "heldout_tokens": tokens}
 
 
-def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase, w: Workspace) -> None:
     """Check that ``target.path`` loads and covers the tokenizer, then record a reference."""
     source = config.target.path
-    if Path(source).resolve() == paths.TARGET.resolve():
+    if Path(source).resolve() == w.target.resolve():
         raise ValueError(f"target.path = {source}: is the stage's own output directory")
     model = load_target(source)
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
             f"target.path = {source}: vocabulary {model.config.vocab_size} is smaller than the "
-            f"tokenizer's {len(tokenizer)} at {paths.TOKENIZER} (is it the target's tokenizer?)"
+            f"tokenizer's {len(tokenizer)} at {w.tokenizer} (is it the target's tokenizer?)"
         )
     local = Path(source)
     reference = {
@@ -85,46 +86,49 @@ def reference_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None
         "config_sha256": config_hash(model),
     }
     metrics = {"mode": "reference", "parameters": model.num_parameters()}
-    metrics |= score_heldout(model, tokenizer, config.data.max_seq_len, REFERENCE_EVAL_ROWS)
-    remove_files(paths.TARGET_METRICS, paths.TARGET_DETAILS)
-    with atomic_dir(paths.TARGET) as tmp:
-        write_json_atomic(tmp / paths.TARGET_REFERENCE, reference)
+    metrics |= score_heldout(
+        model, tokenizer, config.data.max_seq_len, w.heldout, REFERENCE_EVAL_ROWS
+    )
+    remove_files(w.target_metrics, w.target_details)
+    with atomic_dir(w.target) as tmp:
+        write_json_atomic(tmp / TARGET_REFERENCE, reference)
     details = TargetDetails.model_validate(metrics)
-    write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, details, TargetHeadline)
+    write_metrics(w.target_metrics, w.target_details, details, TargetHeadline)
     logger.info(f"reference to {reference['path']} ({model.config.model_type})")
 
 
-def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+def pretrain_target(config: Config, tokenizer: PreTrainedTokenizerBase, w: Workspace) -> None:
     """Pretrain the tiny default on the training split and save it with its tokenizer."""
     max_seq_len = config.data.max_seq_len
     model = build_tiny_target(config.target, tokenizer, max_seq_len)
-    rows = read_conversations(paths.CONVERSATIONS)
+    rows = read_conversations(w.conversations)
     documents, cut = encode_windows(rows, tokenizer, max_seq_len)
     input_ids, labels = pack(documents, max_seq_len, tokenizer.pad_token_id)
     metrics = {"mode": "pretrained", "parameters": model.num_parameters()}
     metrics["tokens_beyond_max_seq_len"] = cut
     end_id = tokenizer.convert_tokens_to_ids(IM_END) if IM_END in tokenizer.get_vocab() else None
     metrics |= pretrain(model, input_ids, labels, config.target, end_id)
-    metrics |= score_heldout(model, tokenizer, max_seq_len)
-    remove_files(paths.TARGET_METRICS, paths.TARGET_DETAILS)
-    with atomic_dir(paths.TARGET) as tmp:
+    metrics |= score_heldout(model, tokenizer, max_seq_len, w.heldout)
+    remove_files(w.target_metrics, w.target_details)
+    with atomic_dir(w.target) as tmp:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
     details = TargetDetails.model_validate(metrics)
-    write_metrics(paths.TARGET_METRICS, paths.TARGET_DETAILS, details, TargetHeadline)
+    write_metrics(w.target_metrics, w.target_details, details, TargetHeadline)
     logger.info(
         f"{metrics['parameters']:,} parameters, train loss {metrics['train_loss']:.3f}, "
         f"held-out perplexity {metrics.get('heldout_perplexity', float('nan')):.2f}"
     )
 
 
-def run(config: Config) -> None:
+def run(config: Config, workspace: Workspace) -> None:
     """Write ``models/target/`` and ``metrics/target.json``."""
+    w = workspace
     set_cpu_threads()
     depth = target_depth(config.target.path, config.target.num_hidden_layers)
     check_layer_selection(depth, config.drafter.num_target_features)
-    tokenizer = load_tokenizer(paths.TOKENIZER)
+    tokenizer = load_tokenizer(w.tokenizer)
     if config.target.path is None:
-        pretrain_target(config, tokenizer)
+        pretrain_target(config, tokenizer, w)
     else:
-        reference_target(config, tokenizer)
+        reference_target(config, tokenizer, w)

@@ -1,4 +1,4 @@
-"""``dflash train`` (and ``dvc repro``'s ``python stages/train.py``): check, lock, launch.
+"""The train stage (``dflash train``, ``python stages/train.py``): check, lock, launch.
 
 The launching process takes the workspace's training lock, checks the plans and the world
 size once, and only then starts ``torchrun`` with the resolved params handed over in a
@@ -23,48 +23,82 @@ from pathlib import Path
 
 import yaml
 
+from dflash.closure import declared_inputs
 from dflash.config import Config
-from dflash.declaration import whole
+from dflash.declaration import declared_params, whole
 from dflash.train.allocator import configure_allocator
+from dflash.train.files import Declared, TrainFiles
 from dflash.train.lock import HELD_BY_LAUNCHER, WorkspaceBusy, launched_by_torchrun, workspace_lock
 from dflash.train.orphans import die_with_parent, parent_death_signal
+from dflash.workspace import Workspace
 
 
-def run(config: Config) -> int:
+def train_files(workspace: Workspace) -> TrainFiles:
+    w = workspace
+    return TrainFiles(
+        tokenized=w.tokenized,
+        plans=w.plans,
+        target=w.target,
+        tokenizer=w.tokenizer,
+        heldout=w.heldout,
+        checkpoints=w.checkpoints,
+        drafter=w.drafter,
+        metrics=w.train_metrics,
+        details=w.train_details,
+        log=w.train_log,
+        live=w.train_live,
+    )
+
+
+def declared(config: Config) -> Declared:
+    return Declared(declared_params(config), declared_inputs(config, "train"))
+
+
+def fingerprint(config: Config, workspace: Workspace | None = None) -> str:
+    """The checkpoint fingerprint a run of ``config`` in ``workspace`` resumes only into."""
+    from dflash.train.checkpoint import run_fingerprint
+
+    return run_fingerprint(train_files(workspace or Workspace()), declared(config).inputs)
+
+
+def run(config: Config, workspace: Workspace) -> int:
     configure_allocator(os.environ)  # before any CUDA use here, and inherited by the ranks
     try:
-        return _rank(config) if launched_by_torchrun() else _launch(config)
+        if launched_by_torchrun():
+            return _rank(config, workspace)
+        return _launch(config, workspace)
     except WorkspaceBusy as err:
         print(f"dflash train: {err}", file=sys.stderr)
         return 2
 
 
-def _rank(config: Config) -> int:
+def _rank(config: Config, workspace: Workspace) -> int:
     from dflash.train.loop import train
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops its ranks, blocked or not
     die_with_parent()
     own_lock = HELD_BY_LAUNCHER not in os.environ and os.environ.get("RANK") == "0"
-    with workspace_lock() if own_lock else nullcontext():
-        train(config)
+    with workspace_lock(workspace.train_lock) if own_lock else nullcontext():
+        train(config, train_files(workspace), declared(config))
     return 0
 
 
-def _launch(config: Config) -> int:
-    with workspace_lock() as lock:
+def _launch(config: Config, workspace: Workspace) -> int:
+    with workspace_lock(workspace.train_lock) as lock:
         from dflash.train.preflight import preflight
         from dflash.train.topology import processes
 
-        preflight(config)
+        files = train_files(workspace)
+        preflight(config, files)
         if processes(config.train) == 1:
             from dflash.train.loop import train
 
-            train(config)
+            train(config, files, declared(config))
             return 0
-        return _torchrun(config, lock)
+        return _torchrun(config, workspace, lock)
 
 
-def _torchrun(config: Config, lock: int) -> int:
+def _torchrun(config: Config, workspace: Workspace, lock: int) -> int:
     from dflash.train.topology import Layout, processes
 
     plain = whole(config).model_dump(mode="json")

@@ -1,0 +1,11 @@
+"""The file names of a Hugging Face model directory, as serving stacks and loaders look for them."""
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+"""A model's weights, when they fit in one safetensors file."""
+WEIGHTS_INDEX = "model.safetensors.index.json"
+"""A model's map from tensor name to safetensors file, when it has several."""
+REMOTE_CODE = "dflash.py"
+"""The drafter's remote-code modelling file ``auto_map`` names (``trust_remote_code=True``)."""
+MODEL_CARD = "README.md"
+"""The model card: serving commands, training params, figures."""

@@ -1,0 +1,40 @@
+"""What a training run reads and writes, and what it records of its declaration.
+
+The train stage builds both from its workspace and its declaration (``dflash.stages.train``)
+and hands them down, so the loop reads no working directory and no ``dvc.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TrainFiles:
+    tokenized: Path
+    """The token store (:mod:`dflash.data.store`)."""
+    plans: Path
+    target: Path
+    tokenizer: Path
+    heldout: Path
+    """Held-out conversations: the batch simulated τ is measured on (may be missing)."""
+    checkpoints: Path
+    drafter: Path
+    """Where the trained drafter is exported, replaced whole."""
+    metrics: Path
+    details: Path
+    log: Path
+    """The training curves as CSV, rewritten at every log row."""
+    live: Path
+    """DVCLive's directory."""
+
+
+@dataclass(frozen=True)
+class Declared:
+    params: dict[str, Any]
+    """Every param the run reads, by section: logged, and recorded in the model card."""
+    inputs: dict[str, Any]
+    """What the weights depend on by declaration (params and code), for the checkpoint
+    fingerprint."""
