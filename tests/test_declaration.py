@@ -164,6 +164,7 @@ FILE_NAME_HOMES = {
     "dflash/data/tokenizer.py",
     "dflash/model/hf_files.py",
     "dflash/model/load.py",
+    "dflash/metrics_schema.py",  # the JSON Schema files it writes
     "dflash/train/checkpoint.py",
 }
 """The workspace, and the modules that own a format's file names (its files, in any directory)."""

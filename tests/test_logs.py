@@ -58,7 +58,7 @@ def fresh_logger(monkeypatch):
     logger.setLevel(level)
 
 
-def stage_that_logs(config) -> int:
+def stage_that_logs(config, workspace) -> int:
     log = logging.getLogger("dflash.data.ingest")
     log.debug("chunk 1")
     log.info("read 3")
