@@ -333,5 +333,8 @@ def test_the_balancing_split_and_the_memory_per_role(monkeypatch):
     target = role_components(QWEN3_8B, batch, BF16, BF16, "target")
     drafter = role_components(QWEN3_8B, batch, BF16, BF16, "drafter")
     assert target["target weights"] == whole["target weights"]
+    halves = role_components(QWEN3_8B, batch, BF16, BF16, "target", shards=2)
+    assert halves["target weights"] == whole["target weights"] / 2
+    assert 0 < halves["gathered units (FSDP)"] < halves["target weights"] / 4
     assert "target weights" not in drafter
     assert sum(drafter.values()) < sum(whole.values()) - whole["target weights"] / 2

@@ -10,9 +10,9 @@ those of a colocated run, which a decoupled run may resume and the other way rou
 
 Which target rank computes a micro-batch is fixed by :meth:`Layout.source`; both sides derive
 the shapes from the plan rows, so only the features travel, with no header. At most
-``train.feature_prefetch`` micro-batches per drafter rank are in flight. The features go
-straight from device to device (NCCL on GPU, gloo between CPU tensors): no buffer is staged
-in host memory, so none is pinned.
+``train.feature_prefetch`` micro-batches per drafter rank are in flight. Both ends hold the
+features on their own device and NCCL moves device buffers itself (gloo, CPU tensors), so
+nothing is staged in host memory here and nothing needs pinning.
 
 Under ``train.parallelism: fsdp`` with more than one target rank, the target ranks shard the
 target among themselves (FSDP2 over their own process group, each loading only its shards).
