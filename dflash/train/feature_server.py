@@ -2,11 +2,10 @@
 
 It reads the same plan as the drafter ranks, builds the micro-batches the layout assigns to it
 (:func:`dflash.train.topology.schedule`) and sends each one's features to its drafter rank,
-keeping at most ``train.feature_prefetch`` sends per drafter rank unfinished. Target ranks that
-shard the target run one forward per round in lockstep, a padding forward where the round has
-no micro-batch for them. The time spent
-blocked on those sends is the target's idle time. It holds no trainable state: a resumed run
-tells it where the drafter ranks start.
+keeping at most ``train.feature_prefetch`` sends per drafter rank unfinished. The time spent
+blocked on those sends is the target's idle time. Target ranks that shard the target run one
+forward per round in lockstep, a padding forward where the round has no micro-batch for them.
+It holds no trainable state: a resumed run tells it where the drafter ranks start.
 """
 
 from __future__ import annotations
@@ -99,8 +98,8 @@ def serve(config: Config, ctx: Dist, layout: Layout) -> None:
     """Run a target rank from the drafter ranks' start point to the end of the last epoch.
 
     ``ctx`` is the target ranks' group when they shard the target (:func:`dflash.train.
-    topology.place`); every target rank then runs each forward of the first one, the
-    simulated-τ capture's included, so that their all-gathers pair up.
+    topology.place`); every target rank then runs the same forwards, the simulated-τ
+    capture's included, so that their all-gathers pair up.
     """
     target = served_target(ctx, layout)
     d, t = config.drafter, config.train

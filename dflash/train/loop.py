@@ -64,7 +64,7 @@ def train(config: Config) -> None:
         placement = topology.place(config.train, world)
         with topology.naming_role(placement.layout, world.rank):
             if placement.serves_target:
-                serve(config, world, placement.layout)
+                serve(config, placement.ctx, placement.layout)
             else:
                 Trainer(config, placement.ctx, placement).fit()
     finally:

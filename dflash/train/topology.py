@@ -108,9 +108,10 @@ def schedule(
 ) -> list[tuple[int, int, list[Row]] | None]:
     """``(drafter rank, index, rows)`` that target ``rank`` computes in an epoch, one per round,
     in the order it sends them: the drafter ranks' consumption order, so a bounded number in
-    flight never deadlocks. A round holds the next ``target_ranks`` micro-batches; with a
-    sharded target every target rank gets one entry per round, None where the round has no
-    micro-batch for it (at the epoch's first and last rounds)."""
+    flight never deadlocks. A round holds the next ``target_ranks`` micro-batches, so ranks in
+    lockstep never wait on a later round either; with a sharded target every target rank gets
+    one entry per round, None where the round has no micro-batch for it (at the epoch's first
+    and last rounds)."""
     work = {
         layout.position(drafter, index): (drafter, index, rows)
         for drafter, steps in enumerate(rank_steps)
