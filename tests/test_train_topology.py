@@ -266,9 +266,11 @@ def test_sharded_target_ranks_hold_half_the_target_and_pad_each_others_rounds(tm
 
 
 @pytest.mark.slow
-def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned):
+@pytest.mark.parametrize("overrides", [DECOUPLED, SHARDED], ids=["whole", "sharded"])
+def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned, overrides):
+    """Sharded, a resume at an odd step starts with a padded round (two target ranks)."""
     colocated, decoupled = planned
-    proc = dflash_train(decoupled, *DECOUPLED)
+    proc = dflash_train(decoupled, *overrides)
     first = decoupled / paths.CHECKPOINTS / (paths.CHECKPOINT_NAME.format(step=3) + ".sha256")
     deadline = time.time() + 300
     while time.time() < deadline and not first.exists() and proc.poll() is None:
@@ -276,7 +278,7 @@ def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned):
     kill_tree(proc.pid)
     proc.communicate()
     assert first.exists() and not (decoupled / paths.DRAFTER).exists()
-    out = finished(decoupled, *DECOUPLED)
+    out = finished(decoupled, *overrides)
     assert "resumed at" in out
     a, b = final_weights(colocated), final_weights(decoupled)
     for name in a:
