@@ -4,8 +4,9 @@
 Qwen3-8B recipe at its ``token_budget``, then for Qwen3-8B, Qwen3-32B and Llama-3.1-70B under
 ``train.parallelism`` ddp and fsdp (8 GPUs) the memory per GPU and the largest
 ``token_budget`` that fits 80 GB and 96 GB, with and without recomputing the drafter layers
-in backward (``train.recompute``), and the decoupled rows (``train.topology: decoupled``): a
-target rank holding the bf16 target whole or sharded over the target ranks, and a drafter
+in backward (``train.recompute``), and the decoupled rows (``train.topology: decoupled``, 2
+target ranks : 6 drafter ranks): a target rank holding the bf16 target whole or, under
+``train.parallelism: fsdp``, 1/2 of it (sharded over the 2 target ranks), and a drafter
 rank free of the target but for the borrowed embedding and head.
 The formulas are those of ``bench/memory_model.py``, which ``bench/step_memory.py`` checks
 against measured CPU peaks.
@@ -142,7 +143,7 @@ def decoupled_table(args: argparse.Namespace) -> None:
     for name, dims in TARGETS.items():
         roles = [
             ("target rank, whole", "target", 1),
-            ("target rank, sharded over 2 (not built)", "target", 2),
+            ("target rank, fsdp over 2", "target", 2),
             ("drafter rank, ddp", "drafter", 1),
             (f"drafter rank, fsdp over {GPUS - 2}", "drafter", GPUS - 2),
         ]

@@ -176,17 +176,21 @@ def role_components(
 ) -> dict[str, float]:
     """Bytes per component on one rank of a decoupled run (``train.topology: decoupled``).
 
-    A target rank holds the target (``shards``: target ranks it would be sharded over), the
-    features it computes and one target layer's transient; a drafter rank holds the borrowed
-    embedding and head whole, the drafter's state (``shards``: drafter ranks under FSDP), the
-    received features and the drafter's step, whose transients hold no target layer.
+    A target rank holds the target (``shards``: target ranks it is sharded over under FSDP),
+    the features it computes and one target layer's transient, and when sharded the unit FSDP
+    holds gathered: the embedding, or a decoder layer with the next one's all-gather in flight;
+    a drafter rank holds the borrowed embedding and head whole, the drafter's state
+    (``shards``: drafter ranks under FSDP), the received features and the drafter's step, whose
+    transients hold no target layer.
     """
     named = transients(d, b, act_bytes, device)
     if role == "target":
+        gathered = max(d.vocab * d.hidden, 2 * layer_params(d)) * weight_bytes
         return {
             "target weights": target_params(d) * weight_bytes / shards,
             "target features": b.tokens * (d.features + 2) * d.hidden * act_bytes,
             "target layer": named["target layer"],
+            **({"gathered units (FSDP)": gathered} if shards > 1 else {}),
         }
     drafter = components(d, b, act_bytes, weight_bytes, shards=shards, device=device)
     del drafter["target weights"]

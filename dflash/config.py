@@ -214,7 +214,8 @@ class TrainConfig(Section):
     a run knob, for the token budgets that do not fit otherwise (bench/gpu_memory.py)."""
     parallelism: Literal["ddp", "fsdp"] = "ddp"
     """ddp: every rank holds the whole target and drafter; fsdp: both sharded per layer
-    (``dflash.train.parallel``), for targets larger than one device."""
+    (``dflash.train.parallel``), for targets larger than one device. Decoupled, fsdp shards
+    the target over the target ranks and the drafter over the drafter ranks."""
     topology: Literal["colocated", "decoupled"] = "colocated"
     """colocated: every rank runs the target and trains the drafter; decoupled: ``target_ranks``
     more ranks run only the target and send its features to the ``world_size`` drafter ranks

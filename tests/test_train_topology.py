@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,21 +16,28 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import yaml
-from conftest import run_stages
+from conftest import run_stages, tiny_qwen3
 from test_train import final_weights, kill_tree
 
 from dflash.batching.io import read_rank_plan
 from dflash.config import TrainConfig
 from dflash.data.store import TokenStore
+from dflash.model.features import target_features
 from dflash.model.load import load_target
 from dflash.train.batches import build_micro_batch
 from dflash.train.borrowed import load_borrowed
 from dflash.train.checkpoint import CHECKPOINT_NAME
+from dflash.train.distributed import init_distributed
+from dflash.train.feature_server import padding_forward
+from dflash.train.parallel import load_sharded_target
 from dflash.train.topology import (
     Layout,
     epoch_micro_batches,
     micro_batch_shape,
+    place,
     processes,
     schedule,
 )
@@ -40,6 +48,8 @@ WS = Workspace()
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DECOUPLED = ("train.topology=decoupled", "train.target_ranks=2")
+SHARDED = (*DECOUPLED, "train.parallelism=fsdp")
+"""Two target ranks holding FSDP shards of the target (and the drafter rank under FSDP)."""
 
 
 def test_the_job_has_the_drafter_ranks_of_the_plan_plus_the_target_ranks():
@@ -78,7 +88,34 @@ def test_every_micro_batch_is_computed_once_in_the_order_its_drafter_rank_takes_
     for work in served.values():
         assert work == sorted(work, key=lambda w: (w[1], w[0])), "sent out of consumption order"
     loads = [len(work) for work in served.values()]
-    assert max(loads) - min(loads) <= drafters
+    assert max(loads) - min(loads) <= 1
+
+
+@pytest.mark.parametrize(
+    ("drafters", "targets", "first_step"), [(1, 2, 0), (1, 2, 1), (1, 3, 1), (3, 2, 2), (2, 3, 1)]
+)
+def test_sharded_target_ranks_run_one_forward_each_per_round(drafters, targets, first_step):
+    """Rounds of consecutive micro-batches in consumption order, padded at the ends only."""
+    layout = Layout(drafters, targets, sharded_target=True)
+    rank_steps = [fake_steps(5, 3, seed) for seed in range(drafters)]
+    ranks = range(drafters, drafters + targets)
+    rounds = {t: schedule(layout, t, rank_steps, first_step) for t in ranks}
+    assert len({len(work) for work in rounds.values()}) == 1, "not in lockstep"
+    whole = Layout(drafters, targets)
+    for t in ranks:
+        assert [w for w in rounds[t] if w is not None] == schedule(whole, t, rank_steps, first_step)
+    served = [
+        w for one_round in zip(*rounds.values(), strict=True) for w in one_round if w is not None
+    ]
+    consumed = sorted(
+        (index, drafter, rows)
+        for drafter, steps in enumerate(rank_steps)
+        for index, rows in epoch_micro_batches(steps, first_step)
+    )
+    assert served == [(drafter, index, rows) for index, drafter, rows in consumed]
+    n_rounds = len(rounds[drafters])
+    padded = {k for work in rounds.values() for k, w in enumerate(work) if w is None}
+    assert padded <= {0, n_rounds - 1}
 
 
 def test_micro_batch_shape_is_the_one_built_from_the_rows(tiny_workspace):
@@ -148,9 +185,10 @@ def planned(tiny_workspace, tmp_path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter(planned):
+@pytest.mark.parametrize("overrides", [DECOUPLED, SHARDED], ids=["whole", "sharded"])
+def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter(planned, overrides):
     colocated, decoupled = planned
-    finished(decoupled, *DECOUPLED)
+    finished(decoupled, *overrides)
     assert losses(decoupled) == pytest.approx(losses(colocated), abs=1e-6, rel=0)
     a, b = final_weights(colocated), final_weights(decoupled)
     assert a.keys() == b.keys()
@@ -165,9 +203,78 @@ def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter(p
 
 
 @pytest.mark.slow
-def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned):
+def test_fsdp_drafter_ranks_fed_by_a_target_rank_train_the_colocated_fsdp_drafter(
+    tiny_workspace, tmp_path
+):
+    """The plan for 2 ranks: colocated FSDP over 2 ranks, then 1 target rank feeding 2 FSDP
+    drafter ranks (the drafter sharded over the drafter ranks' own group)."""
+    decoupled = tmp_path / "decoupled"
+    os.system(f"cp -r {tiny_workspace} {decoupled}")
+    fsdp = ("train.parallelism=fsdp", "train.epochs=1")
+    finished(tiny_workspace, *fsdp)
+    finished(decoupled, *fsdp, "train.topology=decoupled", "train.target_ranks=1")
+    assert len(losses(decoupled)) > 1
+    assert losses(decoupled) == pytest.approx(losses(tiny_workspace), abs=1e-6, rel=0)
+    a, b = final_weights(tiny_workspace), final_weights(decoupled)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)
+    assert json.loads((decoupled / WS.train_details).read_text())["world_size"] == 2
+
+
+def shard_on_three_ranks(rank: int, directory: str, port: int, results) -> None:
+    """One of 1 drafter + 2 sharded target ranks: the target's shards, and its features with
+    one target rank running a micro-batch while the other runs a padding forward."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE="3")
+    torch.set_num_threads(1)
+    world = init_distributed()
+    train = TrainConfig(world_size=1, topology="decoupled", target_ranks=2, parallelism="fsdp")
+    placement = place(train, world)
+    result = {"rank": rank, "group": placement.ctx.world_size}
+    if placement.serves_target:
+        target = load_sharded_target(directory, placement.ctx)
+        result["held"] = sum(p.to_local().numel() for p in target.parameters())
+        ids = torch.arange(24).view(2, 12) * 7 % 300
+        documents = torch.tensor([[0] * 5 + [1] * 7, [0] * 9 + [-1] * 3])
+        positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
+        expected = target_features(load_target(directory, "cpu"), ids, positions, documents, [1, 3])
+        got = []
+        for turn in (1, 2):
+            with torch.inference_mode():
+                if rank == turn:
+                    got.append(target_features(target, ids, positions, documents, [1, 3]))
+                else:
+                    padding_forward(target, [1, 3], world.device)
+        result["equal"] = torch.equal(got[0], expected)
+    results.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_target_ranks_hold_half_the_target_and_pad_each_others_rounds(tmp_path):
+    model = tiny_qwen3()
+    model.save_pretrained(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(shard_on_three_ranks, (str(tmp_path), port, results), nprocs=3)
+    ranks = sorted((results.get() for _ in range(3)), key=lambda r: r["rank"])
+    assert [r["group"] for r in ranks] == [1, 2, 2]
+    assert all(r["equal"] for r in ranks[1:])
+    total = sum(p.numel() for p in model.parameters())
+    assert sum(r["held"] for r in ranks[1:]) == total
+    assert max(r["held"] for r in ranks[1:]) <= total // 2 + 300 * 32  # a row per tensor at most
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [DECOUPLED, SHARDED], ids=["whole", "sharded"])
+def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned, overrides):
+    """Sharded, a resume at an odd step starts with a padded round (two target ranks)."""
     colocated, decoupled = planned
-    proc = dflash_train(decoupled, *DECOUPLED)
+    proc = dflash_train(decoupled, *overrides)
     first = decoupled / WS.checkpoints / (CHECKPOINT_NAME.format(step=3) + ".sha256")
     deadline = time.time() + 300
     while time.time() < deadline and not first.exists() and proc.poll() is None:
@@ -175,7 +282,7 @@ def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned):
     kill_tree(proc.pid)
     proc.communicate()
     assert first.exists() and not (decoupled / WS.drafter).exists()
-    out = finished(decoupled, *DECOUPLED)
+    out = finished(decoupled, *overrides)
     assert "resumed at" in out
     a, b = final_weights(colocated), final_weights(decoupled)
     for name in a:
@@ -183,10 +290,14 @@ def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("role", ["target", "drafter"])
-def test_a_dead_rank_ends_the_job_naming_its_rank_and_role(planned, role):
+@pytest.mark.parametrize(
+    ("role", "overrides"),
+    [("target", DECOUPLED), ("drafter", DECOUPLED), ("target", SHARDED)],
+    ids=["target", "drafter", "sharded-target"],
+)
+def test_a_dead_rank_ends_the_job_naming_its_rank_and_role(planned, role, overrides):
     _, decoupled = planned
-    proc = dflash_train(decoupled, *DECOUPLED, "train.checkpoint_every=1000")
+    proc = dflash_train(decoupled, *overrides, "train.checkpoint_every=1000")
     victim_rank = 2 if role == "target" else 0
     deadline = time.time() + 300
     victim = None
@@ -228,5 +339,8 @@ def test_the_balancing_split_and_the_memory_per_role(monkeypatch):
     target = role_components(QWEN3_8B, batch, BF16, BF16, "target")
     drafter = role_components(QWEN3_8B, batch, BF16, BF16, "drafter")
     assert target["target weights"] == whole["target weights"]
+    halves = role_components(QWEN3_8B, batch, BF16, BF16, "target", shards=2)
+    assert halves["target weights"] == whole["target weights"] / 2
+    assert 0 < halves["gathered units (FSDP)"] < halves["target weights"] / 4
     assert "target weights" not in drafter
     assert sum(drafter.values()) < sum(whole.values()) - whole["target weights"] / 2

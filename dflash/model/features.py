@@ -169,7 +169,10 @@ def _by_rows(
     def run(ids: Tensor, positions: Tensor, documents: Tensor) -> Tensor:
         return _features(target, ids, positions, documents, layer_ids)
 
-    return by_document_rows(run, input_ids, document_ids, _most_over_ranks if sharded else None)
+    def most_over_shards(n: int, device: torch.device) -> int:
+        return _most_over_ranks(n, device, _shard_group(target))
+
+    return by_document_rows(run, input_ids, document_ids, most_over_shards if sharded else None)
 
 
 def _sharded(target: nn.Module) -> bool:
@@ -177,7 +180,13 @@ def _sharded(target: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in target.parameters())
 
 
-def _most_over_ranks(n: int, device: torch.device) -> int:
+def _shard_group(target: nn.Module) -> dist.ProcessGroup:
+    """The ranks a sharded target is sharded over: all of the job's, or only the target ranks'
+    of a decoupled run (:mod:`dflash.train.topology`)."""
+    return next(p for p in target.parameters() if isinstance(p, DTensor)).device_mesh.get_group()
+
+
+def _most_over_ranks(n: int, device: torch.device, group: dist.ProcessGroup) -> int:
     count = torch.tensor([n], device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     return int(count)

@@ -3,8 +3,9 @@
 It reads the same plan as the drafter ranks, builds the micro-batches the layout assigns to it
 (:func:`dflash.train.topology.schedule`) and sends each one's features to its drafter rank,
 keeping at most ``train.feature_prefetch`` sends per drafter rank unfinished. The time spent
-blocked on those sends is the target's idle time. It holds no trainable state: a resumed run
-tells it where the drafter ranks start.
+blocked on those sends is the target's idle time. Target ranks that shard the target run one
+forward per round in lockstep, a padding forward where the round has no micro-batch for them.
+It holds no trainable state: a resumed run tells it where the drafter ranks start.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import deque
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,7 @@ from dflash.train import simulated
 from dflash.train.batches import build_micro_batch
 from dflash.train.distributed import Dist
 from dflash.train.files import TrainFiles
+from dflash.train.parallel import load_sharded_target
 from dflash.train.topology import Layout, fractions, schedule, start_point, wait
 
 ROW = ("input_ids", "document_ids", "position_ids", "loss_mask")
@@ -92,20 +95,26 @@ def receive_row(layout: Layout, width: int, dtype: torch.dtype, device) -> dict 
     return row
 
 
-def serve(config: Config, files: TrainFiles, world: Dist, layout: Layout) -> None:
-    """Run a target rank from the drafter ranks' start point to the end of the last epoch."""
-    target = load_target(files.target, device=world.device)
+def serve(config: Config, files: TrainFiles, ctx: Dist, layout: Layout) -> None:
+    """Run a target rank from the drafter ranks' start point to the end of the last epoch.
+
+    ``ctx`` is the target ranks' group when they shard the target (:func:`dflash.train.
+    topology.place`); every target rank then runs the same forwards, the simulated-τ
+    capture's included, so that their all-gathers pair up.
+    """
+    target = served_target(files.target, ctx, layout)
     d, t = config.drafter, config.train
     layer_ids = target_layer_ids(target.config.num_hidden_layers, d.num_target_features)
-    dtype, autocast = target.get_input_embeddings().weight.dtype, autocast_for(world.device)
-    if world.rank == layout.drafter_ranks:
+    dtype, autocast = target.get_input_embeddings().weight.dtype, autocast_for(ctx.device)
+    if ctx.rank == layout.drafter_ranks or layout.sharded_target:
         tokenizer = load_tokenizer(files.tokenizer)
         options = dict(config.data.chat_template_kwargs)
         row = simulated.capture(
             files.heldout, target, tokenizer, layer_ids, config.data.max_seq_len, autocast, options
         )
-        send_row(row, layout, world.device)
-    first_epoch, first_step = start_point(world, 0, 0)
+        if ctx.rank == layout.drafter_ranks:
+            send_row(row, layout, ctx.device)
+    first_epoch, first_step = start_point(ctx, 0, 0)
     began = time.perf_counter()
     store, sender = TokenStore(files.tokenized), BoundedSender(layout, t.feature_prefetch)
     windows = sliding_windows(target)
@@ -113,11 +122,16 @@ def serve(config: Config, files: TrainFiles, world: Dist, layout: Layout) -> Non
         path = epoch_path(files.plans, epoch)
         rank_steps = [read_rank_plan(path, r) for r in range(layout.drafter_ranks)]
         first = first_step if epoch == first_epoch else 0
-        for drafter, index, rows in schedule(layout, world.rank, rank_steps, first):
+        for work in schedule(layout, ctx.rank, rank_steps, first):
+            if work is None:
+                with torch.inference_mode(), autocast:
+                    padding_forward(target, layer_ids, ctx.device)
+                continue
+            drafter, index, rows = work
             mb = build_micro_batch(
                 store, rows, block_size=d.block_size, anchors_per_sequence=d.anchors_per_sequence,
                 gamma=d.gamma, seed=t.seed, epoch=epoch, windows=windows,
-            ).to(world.device)  # fmt: skip
+            ).to(ctx.device)  # fmt: skip
             with torch.inference_mode(), autocast:
                 features = target_features(
                     target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout
@@ -125,4 +139,18 @@ def serve(config: Config, files: TrainFiles, world: Dist, layout: Layout) -> Non
             sender.send(features.to(dtype).contiguous(), drafter, index)
     sender.drain()
     busy = time.perf_counter() - began - sender.idle_s
-    fractions(world, sender.idle_s, busy, "target")
+    fractions(ctx, sender.idle_s, busy, "target")
+
+
+def served_target(path: Path, ctx: Dist, layout: Layout) -> torch.nn.Module:
+    """The target whole on this rank's device, or this rank's FSDP shards of it."""
+    if layout.sharded_target:
+        return load_sharded_target(path, ctx)
+    return load_target(path, device=ctx.device)
+
+
+def padding_forward(target: torch.nn.Module, layer_ids: list[int], device: torch.device) -> None:
+    """A one-token forward whose features are dropped: the round's forward of a sharded
+    target rank that has no micro-batch in it, so the target ranks' all-gathers pair up."""
+    one = torch.zeros((1, 1), dtype=torch.int64, device=device)
+    target_features(target, one, one, one, layer_ids)

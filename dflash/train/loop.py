@@ -31,7 +31,7 @@ from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import flex_available, flex_compiles
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
-from dflash.model.load import load_target, load_target_shards, target_device_dtype
+from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
 from dflash.train import checkpoint, topology
 from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
@@ -44,8 +44,7 @@ from dflash.train.monitor import Monitor
 from dflash.train.parallel import (
     borrowed_unsharded,
     clip_grad_norm,
-    mesh,
-    shard_target,
+    load_sharded_target,
     sharded,
     wrap_drafter,
 )
@@ -69,7 +68,7 @@ def train(config: Config, files: TrainFiles, declared: Declared) -> None:
         placement = topology.place(config.train, world)
         with topology.naming_role(placement.layout, world.rank):
             if placement.serves_target:
-                serve(config, files, world, placement.layout)
+                serve(config, files, placement.ctx, placement.layout)
             else:
                 Trainer(config, files, declared, placement.ctx, placement).fit()
     finally:
@@ -168,13 +167,7 @@ class Trainer:
             return load_borrowed(self.files.target, self.ctx.device, target_device_dtype()[1])
         if not sharded(self.ctx, self.config.train.parallelism):
             return load_target(self.files.target, device=self.ctx.device)
-        device_mesh = mesh(self.ctx)
-        return load_target_shards(
-            self.files.target,
-            self.ctx.device,
-            target_device_dtype()[1],
-            lambda target: shard_target(target, device_mesh),
-        )
+        return load_sharded_target(self.files.target, self.ctx)
 
     def _simulated(self, tokenizer) -> SimulatedTau | None:
         """The held-out batch for τ; a decoupled drafter rank gets its target part sent."""

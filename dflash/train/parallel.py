@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dflash.model.features import decoder_layers
+from dflash.model.load import load_target_shards, target_device_dtype
 from dflash.train.distributed import Dist
 
 
@@ -68,6 +69,17 @@ def shard_target(target: nn.Module, device_mesh: DeviceMesh) -> None:
         fully_shard(embed, mesh=device_mesh)
         fully_shard(head, mesh=device_mesh)
     fully_shard(target.base_model, mesh=device_mesh)
+
+
+def load_sharded_target(path, ctx: Dist) -> nn.Module:
+    """The frozen target sharded over ``ctx``'s ranks, each reading only its own shards.
+
+    Built on the meta device, so neither a device nor a rank's host memory holds it whole.
+    """
+    device_mesh = mesh(ctx)
+    return load_target_shards(
+        path, ctx.device, target_device_dtype()[1], lambda target: shard_target(target, device_mesh)
+    )
 
 
 DRAFTER_PRECISION = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)

@@ -10,7 +10,15 @@ those of a colocated run, which a decoupled run may resume and the other way rou
 
 Which target rank computes a micro-batch is fixed by :meth:`Layout.source`; both sides derive
 the shapes from the plan rows, so only the features travel, with no header. At most
-``train.feature_prefetch`` micro-batches per drafter rank are in flight.
+``train.feature_prefetch`` micro-batches per drafter rank are in flight. Both ends hold the
+features on their own device and NCCL moves device buffers itself (gloo, CPU tensors), so
+nothing is staged in host memory here and nothing needs pinning.
+
+Under ``train.parallelism: fsdp`` with more than one target rank, the target ranks shard the
+target among themselves (FSDP2 over their own process group, each loading only its shards).
+Its forwards are then collectives, so the target ranks run in lockstep: one forward each per
+round of :func:`schedule`, a one-token forward whose features are dropped where a rank has no
+micro-batch in a round.
 """
 
 from __future__ import annotations
@@ -44,10 +52,17 @@ def processes(train: TrainConfig) -> int:
     return train.world_size + (train.target_ranks if train.topology == "decoupled" else 0)
 
 
+def shards_target(train: TrainConfig) -> bool:
+    """Whether the target ranks shard the target among themselves: FSDP, over more than one."""
+    return train.topology == "decoupled" and train.parallelism == "fsdp" and train.target_ranks > 1
+
+
 @dataclass(frozen=True)
 class Layout:
     drafter_ranks: int
     target_ranks: int
+    sharded_target: bool = False
+    """The target ranks hold FSDP shards of one target and run its forwards in lockstep."""
 
     def role(self, rank: int) -> str:
         return "drafter" if rank < self.drafter_ranks else "target"
@@ -55,11 +70,17 @@ class Layout:
     def describe(self, rank: int) -> str:
         return f"rank {rank} ({self.role(rank)})"
 
+    def position(self, drafter: int, index: int) -> int:
+        """Place of micro-batch ``index`` (within the epoch) of drafter rank ``drafter`` in the
+        order the drafter ranks consume them: by index, then drafter rank (every rank has
+        ``grad_accum`` micro-batches a step)."""
+        return index * self.drafter_ranks + drafter
+
     def source(self, drafter: int, index: int) -> int:
-        """Global rank of the target rank that computes micro-batch ``index`` (within the
-        epoch) of drafter rank ``drafter``: round robin, shifted per drafter rank so the
-        drafter ranks' micro-batches of one step land on different target ranks."""
-        return self.drafter_ranks + (drafter + index) % self.target_ranks
+        """Global rank of the target rank that computes that micro-batch: dealt in turn in
+        consumption order, so each round of ``target_ranks`` consecutive micro-batches gives
+        every target rank one."""
+        return self.drafter_ranks + self.position(drafter, index) % self.target_ranks
 
     def roles(self) -> str:
         d, n = self.drafter_ranks, self.target_ranks
@@ -84,17 +105,23 @@ def epoch_micro_batches(
 
 def schedule(
     layout: Layout, rank: int, rank_steps: list[list[list[list[Row]]]], first_step: int
-) -> list[tuple[int, int, list[Row]]]:
-    """``(drafter rank, index, rows)`` that target ``rank`` computes in an epoch, in the order
-    it sends them: by index, then drafter rank, which is the order the drafter ranks consume
-    them in, so a bounded number in flight never deadlocks."""
-    work = [
-        (index, drafter, rows)
+) -> list[tuple[int, int, list[Row]] | None]:
+    """``(drafter rank, index, rows)`` that target ``rank`` computes in an epoch, one per round,
+    in the order it sends them: the drafter ranks' consumption order, so a bounded number in
+    flight never deadlocks. A round holds the next ``target_ranks`` micro-batches, so ranks in
+    lockstep never wait on a later round either; with a sharded target every target rank gets
+    one entry per round, None where the round has no micro-batch for it (at the epoch's first
+    and last rounds)."""
+    work = {
+        layout.position(drafter, index): (drafter, index, rows)
         for drafter, steps in enumerate(rank_steps)
         for index, rows in epoch_micro_batches(steps, first_step)
-        if layout.source(drafter, index) == rank
-    ]
-    return [(drafter, index, rows) for index, drafter, rows in sorted(work, key=lambda w: w[:2])]
+    }
+    if not work:
+        return []
+    n, mine = layout.target_ranks, rank - layout.drafter_ranks
+    rounds = [work.get(r * n + mine) for r in range(min(work) // n, max(work) // n + 1)]
+    return rounds if layout.sharded_target else [w for w in rounds if w is not None]
 
 
 @dataclass(frozen=True)
@@ -111,20 +138,28 @@ class Placement:
 
 
 def place(train: TrainConfig, world: Dist) -> Placement:
-    """Split the job's ranks by role (collective: every rank calls it)."""
+    """Split the job's ranks by role (collective: every rank calls it).
+
+    A drafter rank's Dist is the drafter ranks' group; a target rank's is the target ranks'
+    group when they shard the target, else the whole job.
+    """
     if train.topology == "colocated":
         return Placement(world, None)
-    layout = Layout(train.world_size, train.target_ranks)
+    layout = Layout(train.world_size, train.target_ranks, shards_target(train))
     if world.world_size != processes(train):
         raise TopologyError(
             f"decoupled training needs train.world_size + train.target_ranks = "
             f"{processes(train)} ranks, torchrun started {world.world_size}"
         )
-    group = dist.new_group(list(range(layout.drafter_ranks)), timeout=TIMEOUT)
-    if layout.role(world.rank) == "target":
+    d, n = layout.drafter_ranks, layout.target_ranks
+    group = dist.new_group(list(range(d)), timeout=TIMEOUT)
+    if layout.sharded_target:
+        target_group = dist.new_group(list(range(d, d + n)), timeout=TIMEOUT)
+    if layout.role(world.rank) == "drafter":
+        return Placement(Dist(world.rank, d, world.local_rank, world.device, group), layout)
+    if not layout.sharded_target:
         return Placement(world, layout)
-    ctx = Dist(world.rank, layout.drafter_ranks, world.local_rank, world.device, group)
-    return Placement(ctx, layout)
+    return Placement(Dist(world.rank, n, world.local_rank, world.device, target_group), layout)
 
 
 def wait(work: dist.Work, layout: Layout, peer: int, what: str) -> None:
