@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import run_stage
 from dflash.params import load_config
+from dflash.train.distributed import Dist, init_distributed
 
 torch.set_num_threads(1)
 
@@ -134,3 +138,27 @@ def tiny_workspace(tiny_workspace_template, tmp_path) -> Path:
     directory = tmp_path / "ws"
     shutil.copytree(tiny_workspace_template, directory)
     return directory
+
+
+def gloo_rank(rank: int, world_size: int, port: int) -> Dist:
+    """Join the gloo job that :func:`spawn_ranks` started, as rank ``rank``, on one thread."""
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    return init_distributed()
+
+
+def leave_gloo() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn_ranks(fn, world_size: int, *args) -> list[dict]:
+    """Run ``fn(rank, world_size, port, results, *args)`` in ``world_size`` spawned processes;
+    what each put on ``results`` (a dict with its ``rank``), in rank order."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(fn, (world_size, port, results, *args), nprocs=world_size)
+    return sorted((results.get() for _ in range(world_size)), key=lambda r: r["rank"])

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import csv
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import tiny_qwen3
+from conftest import gloo_rank, leave_gloo, spawn_ranks, tiny_qwen3
 from safetensors.torch import load_file
 from test_train import final_weights, torchrun
 
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.load import load_target, load_target_shards, shard_start
-from dflash.train.distributed import Dist, from_rank_zero, init_distributed
+from dflash.train.distributed import Dist, from_rank_zero
 from dflash.train.parallel import (
     borrowed_unsharded,
     clip_grad_norm,
@@ -161,12 +159,9 @@ def test_target_loaded_in_shards_is_the_target(world_of_one, tmp_path, tied, fil
     assert torch.equal(shards(ids).logits, whole(ids).logits)
 
 
-def load_on_two_ranks(rank: int, directory: str, port: int, results) -> None:
+def load_on_two_ranks(rank: int, world_size: int, port: int, results, directory: str) -> None:
     """One of two gloo ranks: a digest from rank 0 alone, and the target in shards."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
-    os.environ.update(env, RANK=str(rank), WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    ctx = init_distributed()
+    ctx = gloo_rank(rank, world_size, port)
     computed_here = []
     digest = from_rank_zero(ctx, lambda: computed_here.append(rank) or f"rank {rank}'s digest")
     target = load_target_shards(
@@ -183,20 +178,14 @@ def load_on_two_ranks(rank: int, directory: str, port: int, results) -> None:
             "equal": all(torch.equal(whole_tensor(state[n]), t) for n, t in stored.items()),
         }
     )
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.mark.slow
 def test_two_ranks_share_rank_zeros_digest_and_each_hold_half_the_target(tmp_path):
     model = tiny_qwen3()
     model.save_pretrained(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(load_on_two_ranks, (str(tmp_path), port, results), nprocs=2)
-    ranks = sorted((results.get() for _ in range(2)), key=lambda r: r["rank"])
+    ranks = spawn_ranks(load_on_two_ranks, 2, str(tmp_path))
     assert [r["digest"] for r in ranks] == ["rank 0's digest"] * 2
     assert [r["computed_here"] for r in ranks] == [[0], []]
     assert all(r["equal"] for r in ranks)

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,10 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
-from conftest import run_stages, tiny_qwen3
+from conftest import gloo_rank, leave_gloo, run_stages, spawn_ranks, tiny_qwen3
 from test_train import final_weights, kill_tree
 
 from dflash.batching.io import read_rank_plan
@@ -30,7 +27,6 @@ from dflash.model.load import load_target
 from dflash.train.batches import build_micro_batch
 from dflash.train.borrowed import load_borrowed
 from dflash.train.checkpoint import CHECKPOINT_NAME
-from dflash.train.distributed import init_distributed
 from dflash.train.feature_server import padding_forward
 from dflash.train.parallel import load_sharded_target
 from dflash.train.topology import (
@@ -222,13 +218,10 @@ def test_fsdp_drafter_ranks_fed_by_a_target_rank_train_the_colocated_fsdp_drafte
     assert json.loads((decoupled / WS.train_details).read_text())["world_size"] == 2
 
 
-def shard_on_three_ranks(rank: int, directory: str, port: int, results) -> None:
+def shard_on_three_ranks(rank: int, world_size: int, port: int, results, directory: str) -> None:
     """One of 1 drafter + 2 sharded target ranks: the target's shards, and its features with
     one target rank running a micro-batch while the other runs a padding forward."""
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
-    os.environ.update(env, RANK=str(rank), WORLD_SIZE="3")
-    torch.set_num_threads(1)
-    world = init_distributed()
+    world = gloo_rank(rank, world_size, port)
     train = TrainConfig(world_size=1, topology="decoupled", target_ranks=2, parallelism="fsdp")
     placement = place(train, world)
     result = {"rank": rank, "group": placement.ctx.world_size}
@@ -248,20 +241,14 @@ def shard_on_three_ranks(rank: int, directory: str, port: int, results) -> None:
                     padding_forward(target, [1, 3], world.device)
         result["equal"] = torch.equal(got[0], expected)
     results.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_gloo()
 
 
 @pytest.mark.slow
 def test_sharded_target_ranks_hold_half_the_target_and_pad_each_others_rounds(tmp_path):
     model = tiny_qwen3()
     model.save_pretrained(tmp_path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(shard_on_three_ranks, (str(tmp_path), port, results), nprocs=3)
-    ranks = sorted((results.get() for _ in range(3)), key=lambda r: r["rank"])
+    ranks = spawn_ranks(shard_on_three_ranks, 3, str(tmp_path))
     assert [r["group"] for r in ranks] == [1, 2, 2]
     assert all(r["equal"] for r in ranks[1:])
     total = sum(p.numel() for p in model.parameters())
