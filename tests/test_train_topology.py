@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,14 +171,26 @@ def losses(workspace: Path) -> list[float]:
     return [float(row["loss"]) for row in csv.DictReader(open(workspace / "plots/train/log.csv"))]
 
 
+@pytest.fixture(scope="module")
+def planned_once(tiny_workspace_template, tmp_path_factory) -> tuple[Path, Path]:
+    """The colocated run on one rank, and a copy of its workspace before it trained: made
+    once for the module, since the tests only read the colocated run."""
+    root = tmp_path_factory.mktemp("planned")
+    colocated, fresh = root / "colocated", root / "decoupled"
+    shutil.copytree(tiny_workspace_template, colocated)
+    one_drafter_rank(colocated)
+    shutil.copytree(colocated, fresh)
+    finished(colocated)
+    return colocated, fresh
+
+
 @pytest.fixture
-def planned(tiny_workspace, tmp_path) -> tuple[Path, Path]:
-    """The colocated run on one rank, and a copy of its workspace before it trained."""
-    one_drafter_rank(tiny_workspace)
-    fresh = tmp_path / "decoupled"
-    os.system(f"cp -r {tiny_workspace} {fresh}")
-    finished(tiny_workspace)
-    return tiny_workspace, fresh
+def planned(planned_once, tmp_path) -> tuple[Path, Path]:
+    """A private copy of the colocated run's workspace, and one of the untrained workspace."""
+    colocated, fresh = (tmp_path / "colocated", tmp_path / "decoupled")
+    shutil.copytree(planned_once[0], colocated)
+    shutil.copytree(planned_once[1], fresh)
+    return colocated, fresh
 
 
 @pytest.mark.slow
