@@ -186,10 +186,10 @@ def planned_once(tiny_workspace_template, tmp_path_factory) -> tuple[Path, Path]
 
 @pytest.fixture
 def planned(planned_once, tmp_path) -> tuple[Path, Path]:
-    """A private copy of the colocated run's workspace, and one of the untrained workspace."""
-    colocated, fresh = (tmp_path / "colocated", tmp_path / "decoupled")
-    shutil.copytree(planned_once[0], colocated)
-    shutil.copytree(planned_once[1], fresh)
+    """The shared colocated run (read only), and a private copy of the untrained workspace."""
+    colocated, untrained = planned_once
+    fresh = tmp_path / "decoupled"
+    shutil.copytree(untrained, fresh)
     return colocated, fresh
 
 
