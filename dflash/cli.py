@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from contextlib import nullcontext
 
-from dflash import logs
+from dflash import logs, provenance
 from dflash.config import Config
-from dflash.declaration import restrict, stages
+from dflash.declaration import COMMANDS, restrict, stages
 from dflash.errors import ConfigError, OutputError, UserError
-from dflash.fileio import exit_on_sigterm
+from dflash.fileio import SIGINT_EXIT, exit_on_sigterm
+from dflash.lock import launched_by_torchrun, workspace_lock
 from dflash.params import load_config
 from dflash.workspace import Workspace
 
@@ -39,8 +41,12 @@ HELP = {
     "evaluate": "decode prompts greedily and with the drafter: tau, speedups against n-gram "
     "and an untrained drafter, and a check that the output is the target's own",
     "report": "print one screen of every stage's figures, with warnings that say what to change",
+    "clean": "list the runs whose checkpoints are kept under checkpoints/, and remove them",
 }
 """What each command does, for ``--help``."""
+OPTIONS = {"clean": "dflash.clean"}
+"""Commands with options of their own: the module's ``add_arguments`` adds them, and its
+``run`` takes the parsed options as a third argument."""
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -62,14 +68,34 @@ def resolve(stage: str):
     return getattr(importlib.import_module(module), func)
 
 
-def run_stage(stage: str, config: Config, workspace: Workspace | None = None) -> int:
+def run_stage(
+    stage: str,
+    config: Config,
+    workspace: Workspace | None = None,
+    options: argparse.Namespace | None = None,
+) -> int:
     """Run ``stage`` on the params it declares, and on those only, in ``workspace`` (by default
-    the working directory, where DVC runs stages); its log lines name it."""
+    the working directory, where DVC runs stages); its log lines name it.
+
+    A pipeline stage holds the workspace's lock while it runs (``dflash.lock``): train takes
+    it in its launcher, which hands it to its ranks; the commands beside the pipeline only
+    read, or take it themselves. Its inputs must have been made from the params it is given,
+    and its outputs are recorded as made from them (:mod:`dflash.provenance`).
+    """
     logs.setup(stage)
+    workspace = workspace or Workspace()
     declared = stages()[stage]
-    restricted = restrict(config, declared.params + declared.knobs)
-    result = resolve(stage)(restricted, workspace or Workspace())
-    return int(result or 0)
+    pipeline = stage not in COMMANDS and not launched_by_torchrun()
+    locked = pipeline and stage != "train"
+    with workspace_lock(workspace.lock, stage) if locked else nullcontext():
+        if pipeline:
+            provenance.check(stage, config, workspace)
+        restricted = restrict(config, declared.params + declared.knobs)
+        extra = () if options is None else (options,)
+        result = int(resolve(stage)(restricted, workspace, *extra) or 0)
+        if pipeline and result == 0:
+            provenance.record(stage, config, workspace)
+    return result
 
 
 def stage_main(stage: str, argv: list[str] | None = None) -> int:
@@ -89,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="stage", required=True, metavar="COMMAND")
     for name in stages():
         summary = HELP.get(name, f"run the {name} stage")
-        add_config_args(sub.add_parser(name, help=summary, description=summary))
+        command = sub.add_parser(name, help=summary, description=summary)
+        add_config_args(command)
+        if name in OPTIONS:
+            importlib.import_module(OPTIONS[name]).add_arguments(command)
     return _run(None, parser.parse_args(argv))
 
 
@@ -100,9 +129,13 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"dflash {stage}: bad params: {err}", file=sys.stderr)
         return 2
+    options = args if stage in OPTIONS else None
     try:
         with exit_on_sigterm():
-            return run_stage(stage, config)
+            return run_stage(stage, config, options=options)
+    except KeyboardInterrupt:
+        print(f"dflash {stage}: interrupted; rerun to resume", file=sys.stderr)
+        return SIGINT_EXIT
     except (UserError, FileNotFoundError) as err:
         missing = isinstance(err, FileNotFoundError) and err.filename
         print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)

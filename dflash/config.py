@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from dflash.param_types import Float, Int, Section, TemplateOptions, require
+from dflash.param_types import Float, Int, Section, TemplateOptions, int_at_most, require
 
 
 class DataConfig(Section):
@@ -180,10 +180,16 @@ class BatchingConfig(Section):
         return edges
 
 
+MAX_EPOCHS = 10_000
+"""A plan file per epoch: past this, a typo (2147483647) would fill the disk with plans."""
+MAX_RANKS = 65_536
+"""Past this no launcher starts a job; what one machine runs is checked before launch."""
+
+
 class TrainConfig(Section):
-    epochs: Int = Field(6, ge=1)
+    epochs: int_at_most(MAX_EPOCHS) = Field(6, ge=1)
     """Passes over the training samples."""
-    world_size: Int = Field(2, ge=1)
+    world_size: int_at_most(MAX_RANKS) = Field(2, ge=1)
     """Training processes; the plans are made for this many ranks."""
     grad_accum: Int = Field(1, ge=1)
     """Micro-batches per rank per optimizer step."""
@@ -200,7 +206,11 @@ class TrainConfig(Section):
     checkpoint_every: Int = Field(50, ge=1)
     """Optimizer steps between checkpoints: a run knob."""
     keep_checkpoints: Int = Field(3, ge=1)
-    """Newest checkpoints kept on disk: a run knob."""
+    """Newest checkpoints of a run kept on disk: a run knob."""
+    keep_runs: Int = Field(3, ge=1)
+    """Runs (params, data, code) whose checkpoints are kept on disk, this one included; the
+    least recently written past it are removed when a run starts: a run knob. ``dflash
+    clean`` lists and removes them."""
     max_nonfinite_steps: Int = Field(10, ge=1)
     """Consecutive non-finite losses tolerated (each skips its step) before the run stops."""
     num_workers: Int = Field(1, ge=0)
@@ -220,7 +230,7 @@ class TrainConfig(Section):
     """colocated: every rank runs the target and trains the drafter; decoupled: ``target_ranks``
     more ranks run only the target and send its features to the ``world_size`` drafter ranks
     (``dflash.train.topology``). The same plan, the same losses up to float order."""
-    target_ranks: Int = Field(1, ge=1)
+    target_ranks: int_at_most(MAX_RANKS) = Field(1, ge=1)
     """Ranks that run the frozen target when decoupled; the job has world_size + target_ranks."""
     feature_prefetch: Int = Field(2, ge=1)
     """Micro-batches of features in flight per drafter rank when decoupled."""

@@ -21,7 +21,7 @@ from dflash.params import parse_yaml
 DVC_YAML = Path(__file__).resolve().parents[1] / "dvc.yaml"
 """The project's pipeline, beside the package (an editable install, as ``make`` sets up)."""
 
-COMMANDS = {"report": "dflash.report:run"}
+COMMANDS = {"report": "dflash.report:run", "clean": "dflash.clean:run"}
 """Commands that are no pipeline stage: they read no params and write no DVC output."""
 
 
@@ -32,6 +32,10 @@ class Stage:
     """``module:function`` that runs the stage on its restricted ``Config`` and its workspace."""
     params: tuple[str, ...] = ()
     knobs: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
+    """The data it reads (its deps that are no code), relative to the workspace."""
+    writes: tuple[str, ...] = ()
+    """Its outputs, metrics and plots, relative to the workspace."""
 
     @property
     def module(self) -> str:
@@ -53,9 +57,23 @@ def stages() -> dict[str, Stage]:
     for name, body in pipeline().items():
         meta = body.get("meta") or {}
         found[name] = Stage(
-            name, meta["entry"], tuple(body.get("params", ())), tuple(meta.get("knobs", ()))
+            name,
+            meta["entry"],
+            tuple(body.get("params", ())),
+            tuple(meta.get("knobs", ())),
+            tuple(d for d in body.get("deps", ()) if not _is_code(d)),
+            tuple(_path(o) for key in ("outs", "metrics", "plots") for o in body.get(key, ())),
         )
     return found | {name: Stage(name, entry) for name, entry in COMMANDS.items()}
+
+
+def _is_code(dep: str) -> bool:
+    return dep.endswith(".py") or dep.startswith("dflash/")
+
+
+def _path(entry: str | dict) -> str:
+    """An out as ``dvc.yaml`` writes it: a path, or a path with its options."""
+    return entry if isinstance(entry, str) else next(iter(entry))
 
 
 def restrict(config: Config, allowed: Iterable[str]) -> Config:

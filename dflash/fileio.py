@@ -141,6 +141,8 @@ def _swap(new: Path, path: Path, old: Path) -> None:
 
 SIGTERM_EXIT = 128 + signal.SIGTERM
 """The status a shell gives a process SIGTERM ended."""
+SIGINT_EXIT = 128 + signal.SIGINT
+"""Ctrl-C's exit status, as a shell reports a process the signal ended."""
 
 
 @contextmanager

@@ -13,6 +13,14 @@ INT_MAX = 2**31 - 1
 """The largest integer param: plans, token stores and tensors hold counts in 32 bits."""
 
 Int = Annotated[int, Field(strict=True, le=INT_MAX)]
+
+
+def int_at_most(limit: int) -> Any:
+    """An ``Int`` bounded tighter than ``INT_MAX`` (a ``Field(le=...)`` beside ``Int`` would
+    lose to the bound inside it)."""
+    return Annotated[int, Field(strict=True, le=limit)]
+
+
 Float = Annotated[float, Field(strict=False, allow_inf_nan=False)]
 """Lax, because YAML 1.1 reads ``1e-3`` (no dot) as a string; ``nan`` and ``inf`` refused."""
 

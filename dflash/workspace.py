@@ -76,9 +76,15 @@ class Workspace:
         "models/drafter", "A Hugging Face model directory (:mod:`dflash.model.hf_files`)."
     )
     checkpoints = _at("checkpoints", "Training checkpoints (:mod:`dflash.train.checkpoint`).")
-    train_lock = _at(
-        "checkpoints/train.lock",
-        "Held (``flock``) by the one training run of a workspace; holds its PID.",
+    provenance = _at(
+        ".dflash/provenance",
+        "What made each stage's outputs (:mod:`dflash.provenance`): a stage run by hand "
+        "refuses inputs made from other params.",
+    )
+    lock = _at(
+        ".dflash/lock",
+        "Held (``flock``) by the one stage writing the workspace (:mod:`dflash.lock`); holds its "
+        "PID and command.",
     )
     train_metrics = _at(
         "metrics/train.json",

@@ -22,6 +22,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import run_stage
 from dflash.params import load_config
+from dflash.train.checkpoint import CHECKPOINT_NAME
 from dflash.train.distributed import Dist, init_distributed
 
 torch.set_num_threads(1)
@@ -138,6 +139,12 @@ def tiny_workspace(tiny_workspace_template, tmp_path) -> Path:
     directory = tmp_path / "ws"
     shutil.copytree(tiny_workspace_template, directory)
     return directory
+
+
+def checkpoint_written(workspace: Path, step: int) -> bool:
+    """Whether checkpoint ``step`` of a run in ``workspace`` is complete (its digest written)."""
+    name = CHECKPOINT_NAME.format(step=step) + ".sha256"
+    return any((workspace / "checkpoints").glob(f"*/{name}"))
 
 
 def gloo_rank(rank: int, world_size: int, port: int) -> Dist:

@@ -56,7 +56,8 @@ def test_changed_tokens_at_equal_lengths_start_fresh(tiny_workspace, capsys):
     """The stale-resume bug: a finished run must not be resumed after a tokenizer fix."""
     run_stages(tiny_workspace, ["plan", "train"], ONE_PROCESS)
     first = load_file(tiny_workspace / WS.drafter / "model.safetensors")
-    saved = checkpoint.list_checkpoints(tiny_workspace / WS.checkpoints)
+    (run,) = checkpoint.run_directories(tiny_workspace / WS.checkpoints)
+    saved = checkpoint.list_checkpoints(run)
     assert saved, "the run ends with a checkpoint"
     index = SafeReader(saved[0]).read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in index} == {

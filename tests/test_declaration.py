@@ -21,7 +21,7 @@ PIPELINE = sorted(dvc_stages())
 
 
 def test_every_stage_has_an_entry_and_a_command():
-    assert sorted(stages()) == sorted([*PIPELINE, "report"])
+    assert sorted(stages()) == sorted([*PIPELINE, "report", "clean"])
     for name in stages():
         assert callable(resolve(name)), name
 
@@ -166,6 +166,7 @@ FILE_NAME_HOMES = {
     "dflash/model/load.py",
     "dflash/metrics_schema.py",  # the JSON Schema files it writes
     "dflash/train/checkpoint.py",
+    "dflash/provenance.py",  # a record per stage
 }
 """The workspace, and the modules that own a format's file names (its files, in any directory)."""
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.train.lock import workspace_lock
+from dflash.lock import workspace_lock
 from dflash.workspace import Workspace
 
 WS = Workspace()
@@ -51,6 +51,6 @@ def test_publish_help_and_refusal_load_no_torch(tmp_path):
 def test_a_refused_second_training_run_loads_no_torch(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = f"from dflash import cli\nassert cli.main(['train', '--params', {str(PARAMS)!r}]) == 2"
-    with workspace_lock(WS.train_lock):
+    with workspace_lock(WS.lock, "train"):
         out = heavy_modules_after(code, tmp_path)
-    assert out.startswith("[]") and "another training run" in out
+    assert out.startswith("[]") and "`dflash train` (PID" in out

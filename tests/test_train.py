@@ -15,7 +15,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import run_stages
+from conftest import checkpoint_written, run_stages
 from safetensors.torch import load_file
 
 from dflash.batching.errors import InvalidPlanError
@@ -167,14 +167,14 @@ def assert_kill_and_resume_is_bitwise(workspace: Path, tmp_path: Path, *knobs: s
     assert proc.returncode == 0, out
 
     proc = torchrun(workspace, *knobs)
-    ckpt = workspace / "checkpoints"
     deadline = time.time() + 400
-    while time.time() < deadline and not (ckpt / "step_00000003.sha256").exists():
+    while time.time() < deadline and not checkpoint_written(workspace, 3):
         time.sleep(0.005)
     kill_tree(proc.pid)
     proc.communicate()
     assert not (workspace / "models/drafter").exists(), "run finished before it was killed"
-    steps_done = max(int(p.name[5:13]) for p in ckpt.glob("step_????????.sha256"))
+    digests = (workspace / "checkpoints").glob("*/step_????????.sha256")
+    steps_done = max(int(p.name[5:13]) for p in digests)
     plan = json.loads((workspace / "data/plans/summary.json").read_text())
     assert steps_done < plan["n_steps"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,13 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from conftest import checkpoint_written
 
 from dflash.errors import ConfigError
+from dflash.lock import WorkspaceBusy, workspace_lock
 from dflash.train import preflight
 from dflash.train.allocator import configure_allocator
-from dflash.train.checkpoint import CHECKPOINT_NAME
 from dflash.train.distributed import init_distributed
-from dflash.train.lock import WorkspaceBusy, workspace_lock
 from dflash.workspace import Workspace
 
 WS = Workspace()
@@ -40,10 +41,22 @@ def dflash_train(workspace: Path, *overrides: str) -> subprocess.CompletedProces
         ("train.world_size=64", "world_size: plan has 2, this run needs 64"),
     ],
 )
-def test_a_stale_plan_is_refused_once_before_torchrun_starts(tiny_workspace, override, problem):
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "unrecorded"])
+def test_a_stale_plan_is_refused_once_before_torchrun_starts(
+    tiny_workspace, override, problem, recorded
+):
+    """Recorded, the plan's provenance names the param; without a record (plans copied in),
+    the plan's own summary still refuses it."""
+    if not recorded:
+        shutil.rmtree(tiny_workspace / WS.provenance)
     proc = dflash_train(tiny_workspace, override)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("stale plan") == 1 and problem in proc.stderr
+    key, value = override.split("=")
+    if recorded:
+        assert proc.stderr.count("stale input: data/plans was made with") == 1
+        assert f"{key} = {value}" in proc.stderr
+    else:
+        assert proc.stderr.count("stale plan") == 1 and problem in proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert "torch.distributed" not in proc.stderr + proc.stdout
     assert not (tiny_workspace / WS.drafter).exists()
@@ -59,16 +72,38 @@ def test_more_ranks_than_gpus_is_an_error_and_than_cores_a_warning(monkeypatch, 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     preflight.check_capacity(2)
     assert capsys.readouterr().err == ""
-    preflight.check_capacity(64)
-    assert "64 ranks on 2 CPU core(s)" in capsys.readouterr().err
+    preflight.check_capacity(8, "train.world_size + train.target_ranks")
+    assert "train.world_size + train.target_ranks = 8 ranks on 2 CPU core(s)" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(ConfigError, match="= 9 ranks, but this machine runs at most 8"):
+        preflight.check_capacity(9)
+
+
+def test_impossible_rank_counts_exit_2_before_torchrun_starts(tiny_workspace):
+    """A million target ranks once started a million processes; now the limit is named."""
+    proc = dflash_train(tiny_workspace, "train.topology=decoupled", "train.target_ranks=1000000")
+    assert proc.returncode == 2, proc.stderr
+    assert "train.world_size + train.target_ranks = 1000002 ranks" in proc.stderr
+    assert "at most" in proc.stderr and "Traceback" not in proc.stderr
+    assert "torch.distributed" not in proc.stderr + proc.stdout
+
+
+def test_more_target_copies_than_memory_holds_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(preflight, "weights_bytes", lambda directory: 4096)
+    monkeypatch.setattr(os, "sysconf", lambda name: 1024 if name == "SC_PHYS_PAGES" else 8)
+    preflight.check_memory(2, "train.world_size", tmp_path)
+    with pytest.raises(ConfigError, match="at most 2 ranks fit"):
+        preflight.check_memory(3, "train.world_size", tmp_path)
 
 
 def test_a_second_train_in_the_workspace_exits_2_naming_the_holder(tiny_workspace, monkeypatch):
     monkeypatch.chdir(tiny_workspace)
-    with workspace_lock(WS.train_lock):
+    with workspace_lock(WS.lock, "evaluate"):
         proc = dflash_train(tiny_workspace)
     assert proc.returncode == 2, proc.stderr
-    assert f"PID {os.getpid()}" in proc.stderr and "Traceback" not in proc.stderr
+    assert f"`dflash evaluate` (PID {os.getpid()})" in proc.stderr
+    assert "Traceback" not in proc.stderr
     assert not (tiny_workspace / WS.drafter).exists()
 
 
@@ -76,10 +111,11 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     lock = tmp_path / "train.lock"
     dead = subprocess.Popen([sys.executable, "-c", "import os; print(os.getpid())"])
     dead.wait()
-    lock.write_text(f"{dead.pid}\n")
-    with workspace_lock(lock):
-        assert lock.read_text() == f"{os.getpid()}\n"
-        with pytest.raises(WorkspaceBusy, match=f"PID {os.getpid()}"), workspace_lock(lock):
+    lock.write_text(f"{dead.pid} train\n")
+    with workspace_lock(lock, "plan"):
+        assert lock.read_text() == f"{os.getpid()} plan\n"
+        busy = pytest.raises(WorkspaceBusy, match=f"`dflash plan` \\(PID {os.getpid()}\\)")
+        with busy, workspace_lock(lock, "train"):
             pass
 
 
@@ -101,11 +137,14 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    first = tiny_workspace / WS.checkpoints / (CHECKPOINT_NAME.format(step=1) + ".sha256")
     deadline = time.time() + 300
-    while time.time() < deadline and not first.exists() and launcher.poll() is None:
+    while (
+        time.time() < deadline
+        and not checkpoint_written(tiny_workspace, 1)
+        and launcher.poll() is None
+    ):
         time.sleep(0.05)
-    assert first.exists(), "training never reached its first checkpoint"
+    assert checkpoint_written(tiny_workspace, 1), "training never reached its first checkpoint"
     tree = psutil.Process(launcher.pid).children(recursive=True)
     ranks = [p for p in tree if "torch.distributed.run" not in " ".join(p.cmdline())]
     assert len(ranks) == 2 and len(tree) == 3  # the torchrun agent and its two ranks

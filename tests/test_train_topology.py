@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 import yaml
-from conftest import gloo_rank, leave_gloo, run_stages, spawn_ranks, tiny_qwen3
+from conftest import checkpoint_written, gloo_rank, leave_gloo, run_stages, spawn_ranks, tiny_qwen3
 from test_train import final_weights, kill_tree
 
 from dflash.batching.io import read_rank_plan
@@ -27,7 +27,6 @@ from dflash.model.features import target_features
 from dflash.model.load import load_target
 from dflash.train.batches import build_micro_batch
 from dflash.train.borrowed import load_borrowed
-from dflash.train.checkpoint import CHECKPOINT_NAME
 from dflash.train.feature_server import padding_forward
 from dflash.train.parallel import load_sharded_target
 from dflash.train.topology import (
@@ -275,13 +274,12 @@ def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned, overri
     """Sharded, a resume at an odd step starts with a padded round (two target ranks)."""
     colocated, decoupled = planned
     proc = dflash_train(decoupled, *overrides)
-    first = decoupled / WS.checkpoints / (CHECKPOINT_NAME.format(step=3) + ".sha256")
     deadline = time.time() + 300
-    while time.time() < deadline and not first.exists() and proc.poll() is None:
+    while time.time() < deadline and not checkpoint_written(decoupled, 3) and proc.poll() is None:
         time.sleep(0.01)
     kill_tree(proc.pid)
     proc.communicate()
-    assert first.exists() and not (decoupled / WS.drafter).exists()
+    assert checkpoint_written(decoupled, 3) and not (decoupled / WS.drafter).exists()
     out = finished(decoupled, *overrides)
     assert "resumed at" in out
     a, b = final_weights(colocated), final_weights(decoupled)

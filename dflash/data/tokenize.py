@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -123,7 +124,10 @@ PARALLELISM = "TOKENIZERS_PARALLELISM"
 
 
 def _start_worker(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Ctrl-C reaches the whole process group: the parent alone handles it and stops the
+    pool, so a worker prints no traceback of its own."""
     global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ[PARALLELISM] = "false"
     _worker_tokenizer = tokenizer
 

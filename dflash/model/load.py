@@ -82,6 +82,12 @@ def weight_files(directory: Path) -> dict[str, Path] | None:
         return dict.fromkeys(handle.keys(), single)
 
 
+def weights_bytes(directory: Path) -> int:
+    """A model's safetensors weights on disk, in bytes (0 for weights in another format)."""
+    files = weight_files(directory) if directory.is_dir() else None
+    return sum(path.stat().st_size for path in set((files or {}).values()))
+
+
 def shard_start(size: int, world: int, rank: int) -> int:
     """First row of ``rank``'s shard of ``size`` rows: FSDP's ``torch.chunk`` split."""
     return min(rank * math.ceil(size / world), size)

@@ -1,11 +1,16 @@
 """The train stage (``dflash train``, ``python stages/train.py``): check, lock, launch.
 
-The launching process takes the workspace's training lock, checks the plans and the world
-size once, and only then starts ``torchrun`` with the resolved params handed over in a
-temporary file, so ``--set`` overrides reach every rank. The job has ``train.world_size``
-ranks, plus ``train.target_ranks`` when ``train.topology`` is decoupled
+The launching process takes the workspace's lock (:mod:`dflash.lock`), checks the plans and
+the world size once, and only then starts ``torchrun`` with the resolved params handed over
+in a temporary file, so ``--set`` overrides reach every rank. The job has
+``train.world_size`` ranks, plus ``train.target_ranks`` when ``train.topology`` is decoupled
 (``dflash.train.topology``). ``torchrun`` inherits the lock and dies with the launcher; each
 rank dies with ``torchrun``. Run under ``torchrun`` directly, rank 0 takes the lock itself.
+
+``torchrun`` runs in a session of its own, so Ctrl-C reaches the launcher alone: it stops the
+job as SIGTERM does (each rank ends quietly) and exits 130 with one line. A rank that fails
+after the run wrote its outputs whole (``metrics/train.json`` last, naming the drafter's
+digest) does not make the finished run a failure.
 
 The lock comes before torch and transformers are imported (seconds): a second run on a busy
 workspace is refused at once.
@@ -13,6 +18,7 @@ workspace is refused at once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -26,9 +32,10 @@ import yaml
 from dflash.closure import declared_inputs
 from dflash.config import Config
 from dflash.declaration import declared_params, whole
+from dflash.fileio import remove_files
+from dflash.lock import HELD_BY_LAUNCHER, launched_by_torchrun, workspace_lock
 from dflash.train.allocator import configure_allocator
 from dflash.train.files import Declared, TrainFiles
-from dflash.train.lock import HELD_BY_LAUNCHER, WorkspaceBusy, launched_by_torchrun, workspace_lock
 from dflash.train.orphans import die_with_parent, parent_death_signal
 from dflash.workspace import Workspace
 
@@ -61,15 +68,15 @@ def fingerprint(config: Config, workspace: Workspace | None = None) -> str:
     return run_fingerprint(train_files(workspace or Workspace()), declared(config).inputs)
 
 
+STOP_GRACE_S = 60
+"""How long an interrupted job gets to stop its ranks before they are killed."""
+
+
 def run(config: Config, workspace: Workspace) -> int:
     configure_allocator(os.environ)  # before any CUDA use here, and inherited by the ranks
-    try:
-        if launched_by_torchrun():
-            return _rank(config, workspace)
-        return _launch(config, workspace)
-    except WorkspaceBusy as err:
-        print(f"dflash train: {err}", file=sys.stderr)
-        return 2
+    if launched_by_torchrun():
+        return _rank(config, workspace)
+    return _launch(config, workspace)
 
 
 def _rank(config: Config, workspace: Workspace) -> int:
@@ -78,13 +85,13 @@ def _rank(config: Config, workspace: Workspace) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops its ranks, blocked or not
     die_with_parent()
     own_lock = HELD_BY_LAUNCHER not in os.environ and os.environ.get("RANK") == "0"
-    with workspace_lock(workspace.train_lock) if own_lock else nullcontext():
+    with workspace_lock(workspace.lock, "train") if own_lock else nullcontext():
         train(config, train_files(workspace), declared(config))
     return 0
 
 
 def _launch(config: Config, workspace: Workspace) -> int:
-    with workspace_lock(workspace.train_lock) as lock:
+    with workspace_lock(workspace.lock, "train") as lock:
         from dflash.train.preflight import preflight
         from dflash.train.topology import processes
 
@@ -118,12 +125,54 @@ def _torchrun(config: Config, workspace: Workspace, lock: int) -> int:
         str(params),
     ]
     env = {**os.environ, HELD_BY_LAUNCHER: "1"}
+    remove_files(workspace.train_metrics)  # written last by this job: present = it finished
     try:
-        code = subprocess.call(cmd, env=env, pass_fds=(lock,), preexec_fn=parent_death_signal())
+        code = _wait(
+            subprocess.Popen(
+                cmd,
+                env=env,
+                pass_fds=(lock,),
+                preexec_fn=parent_death_signal(),
+                start_new_session=True,
+            )
+        )
     finally:
         params.unlink(missing_ok=True)
+    if code != 0 and _finished(workspace):
+        print(
+            f"dflash train: a rank exited {code} after the run had written its outputs whole "
+            f"({workspace.train_metrics} names the drafter it exported); the run is complete",
+            file=sys.stderr,
+        )
+        return 0
     t = config.train
     if code != 0 and t.topology == "decoupled":
         roles = Layout(t.world_size, t.target_ranks).roles()
         print(f"dflash train: a rank failed (torchrun names it above); {roles}", file=sys.stderr)
     return code
+
+
+def _wait(job: subprocess.Popen) -> int:
+    """The job's exit status; interrupted (Ctrl-C, SIGTERM), the job is stopped first."""
+    try:
+        return job.wait()
+    except BaseException:
+        _stop(job)
+        raise
+
+
+def _stop(job: subprocess.Popen) -> None:
+    """Stop ``torchrun`` as SIGTERM does (it stops its ranks); kill it when it lingers."""
+    job.terminate()
+    try:
+        job.wait(timeout=STOP_GRACE_S)
+    except BaseException:  # the grace ran out, or a second Ctrl-C: no more waiting
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+
+
+def _finished(workspace: Workspace) -> bool:
+    from dflash.freshness import stale_drafter
+
+    return workspace.train_metrics.exists() and stale_drafter(workspace.root) is None

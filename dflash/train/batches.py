@@ -22,6 +22,7 @@ from dflash.model.anchors import sample_anchors
 from dflash.model.features import packing
 from dflash.model.objective import LabelPlan, label_plan
 from dflash.model.target_attention import DocumentLayout
+from dflash.train.orphans import die_with_parent
 
 
 @dataclass
@@ -235,4 +236,11 @@ def make_loader(
         pin_memory=pin_memory,
         collate_fn=None,
         timeout=0,
+        worker_init_fn=_die_with_rank,
     )
+
+
+def _die_with_rank(worker_id: int) -> None:
+    """A worker ends the moment its rank does: the DataLoader's own check of its parent runs
+    only every few seconds, so a stopped run would leave workers behind that long."""
+    die_with_parent()

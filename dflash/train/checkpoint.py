@@ -6,8 +6,11 @@ its own shards into a temporary directory, which rank 0 fsyncs and renames, and 
 the directory is written beside it last; one without a matching digest (killed mid-write,
 truncated, bit-rotted) is skipped on resume and the one before it is used. A
 ``run_fingerprint`` of everything the weights depend on (params, token contents, plans,
-target, tokenizer, code) keeps a rerun from resuming a checkpoint of another run. Checkpoints
-hold tensors and plain types only and are read without running pickled code
+target, tokenizer, code) keeps a rerun from resuming a checkpoint of another run, and names
+the run's own directory under the checkpoint root: a run with other params writes beside an
+interrupted one and never removes it, so going back to the first params resumes it. Only
+``prune_runs`` removes another run's checkpoints, the least recently written past a bound.
+Checkpoints hold tensors and plain types only and are read without running pickled code
 (:mod:`dflash.train.dcp_safe`).
 """
 
@@ -35,9 +38,73 @@ CHECKPOINT_NAME = "step_{step:08d}"
 """A checkpoint directory: ``torch.distributed.checkpoint`` shards and index, and CHECKPOINT_RUN."""
 CHECKPOINT_GLOB = "step_" + "[0-9]" * 8
 CHECKPOINT_RUN = "run.json"
-"""In a checkpoint directory: the run fingerprint and step, read before any shard."""
+"""In a checkpoint directory: the run fingerprint and step, read before any shard; in a run's
+directory: its fingerprint and declared params, for ``dflash clean`` to list."""
+RUN_ID_CHARS = 16
+"""A run's directory is named by the first hex digits of its fingerprint (64 bits)."""
+PLACEMENT_PARAMS = ("topology", "target_ranks")
+"""``train`` params that place the target, not change the weights: a colocated and a decoupled
+run of one plan compute the same steps, so each resumes the other's checkpoints."""
 
 logger = logging.getLogger(__name__)
+
+
+HEX = frozenset("0123456789abcdef")
+
+
+def run_directory(root: Path, fingerprint: str) -> Path:
+    """Where the run of ``fingerprint`` keeps its checkpoints, under the checkpoint root."""
+    return root / fingerprint[:RUN_ID_CHARS]
+
+
+def run_directories(root: Path) -> list[Path]:
+    """Every run's directory under ``root``, the most recently written first."""
+    if not root.is_dir():
+        return []
+    runs = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and len(p.name) == RUN_ID_CHARS and all(c in HEX for c in p.name)
+    ]
+    return sorted(runs, key=last_written, reverse=True)
+
+
+def last_written(run: Path) -> float:
+    """When a run last wrote anything: its newest entry's modification time."""
+    return max((p.stat().st_mtime for p in run.iterdir()), default=run.stat().st_mtime)
+
+
+def prune_runs(root: Path, keep: int, current: Path) -> list[Path]:
+    """Remove the least recently written runs past ``keep``, never ``current``; the removed."""
+    others = [run for run in run_directories(root) if run != current]
+    removed = others[max(keep - 1, 0) :]
+    for run in removed:
+        shutil.rmtree(run, ignore_errors=True)
+    return removed
+
+
+def start_run(root: Path, fingerprint: str, params: dict[str, Any], keep_runs: int) -> Path:
+    """This run's directory, described for ``dflash clean``; runs past ``keep_runs`` pruned.
+
+    Rank 0 only. The description is written once and touched at every start, so a resumed
+    run counts as recently written however old its checkpoints are.
+    """
+    run = run_directory(root, fingerprint)
+    run.mkdir(parents=True, exist_ok=True)
+    info = json.dumps({"fingerprint": fingerprint, "params": params}, indent=2, sort_keys=True)
+    write_text_atomic(run / CHECKPOINT_RUN, info + "\n")
+    for old in prune_runs(root, keep_runs, run):
+        logger.info(f"removed the checkpoints of run {old.name} (train.keep_runs = {keep_runs})")
+    return run
+
+
+def read_run_info(run: Path) -> dict[str, Any]:
+    """A run directory's description; empty when it is missing or unreadable."""
+    try:
+        info = json.loads((run / CHECKPOINT_RUN).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
@@ -189,10 +256,14 @@ def run_fingerprint(files: TrainFiles, declared: dict[str, Any]) -> str:
     Contents, not counts: a tokenizer fix that keeps every length changes the token store's
     bytes and so the fingerprint. The params are the ones ``train`` declares (its knobs
     change no weight); the code is the train stage's import closure (``declared``, from
-    ``dflash.closure.declared_inputs``).
+    ``dflash.closure.declared_inputs``). The placement of the target is left out
+    (``PLACEMENT_PARAMS``).
     """
+    params = declared.get("params", {})
+    train = {k: v for k, v in params.get("train", {}).items() if k not in PLACEMENT_PARAMS}
     return digest(
         declared
+        | {"params": params | ({"train": train} if "train" in params else {})}
         | {
             "tokens": path_digest(files.tokenized),
             "plans": path_digest(files.plans),
@@ -203,7 +274,8 @@ def run_fingerprint(files: TrainFiles, declared: dict[str, Any]) -> str:
 
 
 def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str, directory: Path) -> int | None:
-    """Load the newest intact checkpoint of this run into ``parts`` (its step), or start fresh."""
+    """Load the newest intact checkpoint of this run from its own ``directory`` into ``parts``
+    (its step), or start fresh; other runs' directories are not read or touched."""
     step, skipped = load_latest(directory, fingerprint, parts, ctx.group)
     if ctx.is_main:
         for reason in skipped:
@@ -211,10 +283,10 @@ def resume(ctx: Dist, parts: Mapping[str, Any], fingerprint: str, directory: Pat
     if step is None and any("unreadable (" in reason for reason in skipped):
         raise RuntimeError(
             "a checkpoint of this run passed its digest but could not be loaded, and loading "
-            "may have changed the drafter in part; remove checkpoints/ to start fresh"
+            f"may have changed the drafter in part; remove {directory} to start fresh"
         )
-    if ctx.is_main and step is None and list_checkpoints(directory):
-        logger.info("no checkpoint of this run: starting fresh, old ones removed")
+    if ctx.is_main and step is None:
+        logger.info(f"no checkpoint of this run: starting fresh in {directory}")
         remove_checkpoints(directory)
     if ctx.is_main and step is not None:
         # Newer ones passed over (unfinished, corrupt, another run's) would otherwise be

@@ -15,8 +15,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from dflash.lock import launched_by_torchrun
 from dflash.train.allocator import configure_allocator
-from dflash.train.lock import launched_by_torchrun
 
 T = TypeVar("T")
 

@@ -138,6 +138,9 @@ class Trainer:
         self.fingerprint = from_rank_zero(
             ctx, lambda: checkpoint.run_fingerprint(files, declared.inputs)
         )
+        self.run_dir = checkpoint.run_directory(files.checkpoints, self.fingerprint)
+        if ctx.is_main:
+            checkpoint.start_run(files.checkpoints, self.fingerprint, declared.params, t.keep_runs)
         self.planned, self.loader = self._make_loader()
         self.clock = StepClock(ctx.device)
         self.state = TrainState()
@@ -148,7 +151,7 @@ class Trainer:
             "scheduler": self.scheduler,
         }
         if (
-            checkpoint.resume(ctx, self.parts, self.fingerprint, files.checkpoints) is not None
+            checkpoint.resume(ctx, self.parts, self.fingerprint, self.run_dir) is not None
             and ctx.is_main
         ):
             s = self.state
@@ -275,7 +278,7 @@ class Trainer:
     def _save(self) -> None:
         keep, step = self.config.train.keep_checkpoints, self.state.global_step
         checkpoint.save_checkpoint(
-            self.files.checkpoints, step, self.parts, self.fingerprint, keep, self.ctx.group
+            self.run_dir, step, self.parts, self.fingerprint, keep, self.ctx.group
         )
 
     def _epoch_steps(self, epoch: int) -> list:

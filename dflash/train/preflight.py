@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import torch
 
@@ -16,7 +17,7 @@ from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.errors import ConfigError
 from dflash.model.layer_ids import check_layer_selection, target_depth
-from dflash.model.load import resolve_target_path
+from dflash.model.load import resolve_target_path, weights_bytes
 from dflash.train.files import TrainFiles
 from dflash.train.plan_check import check_plan
 from dflash.train.topology import processes
@@ -33,25 +34,52 @@ def preflight(config: Config, files: TrainFiles) -> None:
         read_plan_meta(files.plans), TokenStore(files.tokenized), config, config.train.world_size
     )
     t = config.train
+    target = Path(resolve_target_path(files.target)) if files.target.exists() else None
     if t.topology == "decoupled":
-        check_capacity(processes(t), "train.world_size + train.target_ranks")
+        check_capacity(processes(t), "train.world_size + train.target_ranks", target)
     else:
-        check_capacity(t.world_size)
+        check_capacity(t.world_size, target=target)
 
 
-def check_capacity(world_size: int, what: str = "train.world_size") -> None:
-    """One rank per visible GPU; on CPU, more ranks than cores only share them (a warning)."""
+RANKS_PER_CORE = 4
+"""CPU ranks beyond this many per core only wait on each other: refused, not just slow."""
+
+
+def check_capacity(processes: int, what: str = "train.world_size", target: Path | None = None):
+    """One rank per visible GPU; on CPU, at most ``RANKS_PER_CORE`` per core (a warning past
+    one per core), and no more target copies than host memory holds."""
     if torch.cuda.is_available():
         gpus = torch.cuda.device_count()
-        if world_size > gpus:
+        if processes > gpus:
             raise ConfigError(
-                f"{what} = {world_size} but {gpus} GPU(s) are visible: each rank needs "
+                f"{what} = {processes} but {gpus} GPU(s) are visible: each rank needs "
                 "its own; lower train.world_size (then rerun `dflash plan`) or expose more GPUs"
             )
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if world_size > (cores or 1):
+    cores = cores or 1
+    if processes > RANKS_PER_CORE * cores:
+        raise ConfigError(
+            f"{what} = {processes} ranks, but this machine runs at most "
+            f"{RANKS_PER_CORE * cores} ({RANKS_PER_CORE} per CPU core, {cores} cores)"
+        )
+    if target is not None:
+        check_memory(processes, what, target)
+    if processes > cores:
         logger.warning(
-            f"train.world_size = {world_size} ranks on {cores} CPU "
-            "core(s): they will share cores and run slower than fewer ranks would"
+            f"{what} = {processes} ranks on {cores} CPU core(s): they will share cores and "
+            "run slower than fewer ranks would"
+        )
+
+
+def check_memory(processes: int, what: str, target: Path) -> None:
+    """Every CPU rank holds the target's weights: refuse a job whose copies exceed RAM."""
+    weights = weights_bytes(target)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if processes * weights > memory:
+        fits = max(memory // max(weights, 1), 1)
+        raise ConfigError(
+            f"{what} = {processes} ranks each holding the target ({weights / 2**30:.1f} GiB) "
+            f"need more than this machine's {memory / 2**30:.0f} GiB of memory: at most "
+            f"{fits} ranks fit"
         )
