@@ -201,7 +201,7 @@ def test_a_missing_drafter_is_named_missing(scored, capsys):
 
 def test_a_user_file_nested_in_a_previous_publish_is_kept(workspace, capsys):
     (workspace / WS.drafter / "extra").mkdir()
-    (workspace / WS.drafter / "extra" / "notes.md").write_text("export's")
+    (workspace / WS.drafter / "extra" / "shard.bin").write_text("export's")
     out = workspace.parent / "published"
     assert publish.main([str(out), "--root", str(workspace)]) == 0
     (out / "extra" / "mine.txt").write_text("mine")
