@@ -201,9 +201,20 @@ def not_a_file(path: str | Path) -> str | None:
         return "is a directory, not a file"
     if path.exists():
         return "is not a regular file (a FIFO, socket or device)"
+    if _in_link_loop(path):
+        return "leads into a loop of symbolic links, so it names no file"
     if path.is_symlink():
         return f"is a link to {os.readlink(path)}, which does not exist"
     return "does not exist"
+
+
+def _in_link_loop(path: Path) -> bool:
+    """Whether following ``path``'s links (its own or a directory's on the way) never ends."""
+    try:
+        path.stat()
+    except OSError as err:
+        return err.errno == errno.ELOOP
+    return False
 
 
 def require_only(

@@ -437,6 +437,30 @@ def read(model: type[M], path: Path) -> M | str:
     return partial(model, data) if isinstance(data, dict) else "not a JSON object"
 
 
+def flaw(model: type[Metrics], path: Path, partial_ok: bool = False) -> str | None:
+    """Why the file at ``path`` is no file of ``model``, as a phrase; None when it is one.
+
+    With ``partial_ok`` a missing or unknown key is no flaw (a partial file, or one of another
+    version, shows what it holds), but a file cut short or a value of the wrong type is.
+    """
+    try:
+        model.model_validate_json(path.read_bytes())
+    except OSError as err:
+        return err.strerror or type(err).__name__
+    except ValidationError as err:
+        benign = ("missing", "extra_forbidden") if partial_ok else ()
+        errors = [e for e in err.errors() if e["type"] not in benign]
+        return _phrase(errors[0]) if errors else None
+    return None
+
+
+def _phrase(error: Any) -> str:
+    if error["type"] == "json_invalid":
+        return "not JSON"
+    where = ".".join(map(str, error["loc"]))
+    return f"{where}: {error['msg']}" if where else "not a JSON object"
+
+
 def partial(model: type[M], data: dict) -> M:
     """``model`` of what ``data`` holds that fits: a value of the wrong shape and an absent key
     read None, a nested model either way as one whose values are all None, so a chain of

@@ -3,21 +3,24 @@
 ``models/drafter`` is the train stage's output, written before anything scored it, so its
 model card cannot hold τ. This copies the export to ``DIR`` (whole or not at all) and adds
 to its card the scorecard of ``metrics/eval_details.json``: every prompt set and stratum. It first
-checks that evaluation scored these very weights, and refuses otherwise (exit 2).
+checks that evaluation scored these very weights, both its files whole and in agreement, and
+refuses otherwise (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
 
 from dflash.errors import DirectoryInUse, UserError
+from dflash.eval.outputs import eval_headline
 from dflash.fileio import atomic_dir, exit_on_sigterm, require_only
 from dflash.fingerprint import path_digest
 from dflash.freshness import stale_drafter
-from dflash.metrics_schema import EvalDetails
+from dflash.metrics_schema import EvalDetails, EvalHeadline, M, flaw
 from dflash.model import hf_files
 from dflash.model.card import SCORECARD_HEADING, SCORECARD_NOTE, scorecard_section
 from dflash.workspace import Workspace
@@ -29,21 +32,38 @@ EXPORT_FILES = (hf_files.CONFIG, hf_files.WEIGHTS, hf_files.REMOTE_CODE, hf_file
 """What an export holds, hence a previous publish (with any other file the export now holds)."""
 
 
+RERUN = "rerun the evaluate stage (`dvc repro evaluate` or `dflash evaluate`)"
+
+
 def scored_metrics(root: Path) -> EvalDetails:
-    """The evaluation details under ``root``, when they scored the drafter there; else why not."""
-    rerun = "rerun the evaluate stage (`dvc repro evaluate` or `dflash evaluate`)"
+    """The evaluation details under ``root``, when they and the headline ``dvc exp show``
+    reads scored the drafter there; else why not."""
+    if not (root / NAMES.drafter).is_dir():
+        raise UserError(
+            f"{NAMES.drafter} is missing: run the train stage (`dvc repro train` or "
+            "`dflash train`), then evaluate"
+        )
     stale = stale_drafter(root)
     if stale:
         raise UserError(stale)
-    try:
-        metrics = EvalDetails.model_validate_json((root / NAMES.eval_details).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{NAMES.eval_details} is missing: {rerun}") from None
-    except ValueError:  # not JSON, or not the file evaluate writes
-        raise UserError(f"{NAMES.eval_details} is unreadable: {rerun}") from None
+    metrics = load(root, EvalDetails, NAMES.eval_details)
     if metrics.drafter_sha256 != path_digest(root / NAMES.drafter):
-        raise UserError(f"{NAMES.eval_details} scored other weights than {NAMES.drafter}: {rerun}")
+        raise UserError(f"{NAMES.eval_details} scored other weights than {NAMES.drafter}: {RERUN}")
+    shown = load(root, EvalHeadline, NAMES.eval_metrics)
+    if shown.dump() != eval_headline(metrics).dump():
+        raise UserError(f"{NAMES.eval_metrics} does not match {NAMES.eval_details}: {RERUN}")
     return metrics
+
+
+def load(root: Path, model: type[M], rel: Path) -> M:
+    """The file ``rel`` under ``root`` as ``model``, whole; refused when missing or not so."""
+    path = root / rel
+    if not path.exists():
+        raise UserError(f"{rel} is missing: {RERUN}")
+    why = flaw(model, path)
+    if why:
+        raise UserError(f"{rel} is unreadable ({why}): {RERUN}")
+    return model.model_validate_json(path.read_bytes())
 
 
 def publish(root: Path, out: Path) -> None:
@@ -75,13 +95,33 @@ def require_publish_or_empty(out: Path, root: Path) -> None:
     if source.is_dir():
         names.update(p.name for p in source.iterdir())
     require_only(out, sorted(names), workspace=root)
-    for scratch in (out.with_name(out.name + ".tmp"), out.with_name(out.name + ".old")):
-        require_only(scratch, sorted(names))
+    scratch = [out.with_name(out.name + suffix) for suffix in (".tmp", ".old")]
+    for directory in scratch:
+        require_only(directory, sorted(names))
+    for directory in (out, *scratch):
+        strangers = nested_strangers(directory, source)
+        if strangers:
+            raise DirectoryInUse(
+                f"{directory} holds {', '.join(strangers[:3])}, which this writer did not make; "
+                "it replaces the directory whole, so give it an empty or own directory"
+            )
     if out.is_dir() and any(out.iterdir()) and not _has_scorecard(out / hf_files.MODEL_CARD):
         raise DirectoryInUse(
             f"{out}: holds drafter files but no published card ({SCORECARD_HEADING} in "
             f"{hf_files.MODEL_CARD}), so it is not a previous publish; nothing was written"
         )
+
+
+def nested_strangers(directory: Path, source: Path) -> list[str]:
+    """The paths inside ``directory``'s subdirectories that the export ``source`` does not
+    hold: a publish copies the export's subdirectories whole, so anything else there was put
+    by hand. (``require_only`` checks the top level by name.)"""
+    found = []
+    for here, dirs, files in os.walk(directory):
+        rel = Path(here).relative_to(directory)
+        if rel != Path("."):
+            found += [str(rel / n) for n in dirs + files if not os.path.lexists(source / rel / n)]
+    return sorted(found)
 
 
 def _has_scorecard(card: Path) -> bool:

@@ -3,7 +3,8 @@
 Every stage already writes its figures; this gathers the ones a user checks first (what was
 dropped, padding, loss, acceptance, losslessness) so ``make repro`` ends with a summary. It reads
 whatever exists and never raises: a stage without output says how to run it. Each file is
-read as its model (:mod:`dflash.metrics_schema`); a partial file shows what it holds.
+read as its model (:mod:`dflash.metrics_schema`); a partial file shows what it holds, and one
+cut short or holding a value of the wrong type is also a warning.
 """
 
 from __future__ import annotations
@@ -311,6 +312,38 @@ def advice(regen: ms.RegenerateReport | str, ev: ms.EvalDetails | str) -> list[s
     return [line for text in out for line in wrap(f"! {text}", 2)]
 
 
+CHECKED: list[tuple[Path, type[ms.Metrics], str]] = [
+    (NAMES.ingest_report, ms.IngestReport, "ingest"),
+    (NAMES.regenerate_report, ms.RegenerateReport, "regenerate"),
+    (NAMES.regenerate_metrics, ms.RegenerateHeadline, "regenerate"),
+    (NAMES.tokenize_report, ms.TokenizeReport, "tokenize"),
+    (NAMES.tokenized / STORE_MANIFEST, ms.TokenManifest, "tokenize"),
+    (NAMES.target_details, ms.TargetDetails, "target"),
+    (NAMES.target_metrics, ms.TargetHeadline, "target"),
+    (PLAN_SUMMARY, ms.PlanSummary, "plan"),
+    (NAMES.plan_metrics, ms.PlanMetrics, "plan"),
+    (NAMES.train_details, ms.TrainDetails, "train"),
+    (NAMES.train_metrics, ms.TrainHeadline, "train"),
+    (NAMES.eval_details, ms.EvalDetails, "evaluate"),
+    (NAMES.eval_metrics, ms.EvalHeadline, "evaluate"),
+]
+"""Every file the report, ``dvc exp show`` and ``publish`` read, its model and its stage."""
+
+
+def corrupt(root: Path) -> list[str]:
+    """One warning per file cut short or holding a value of the wrong type. A section shows
+    one file of a pair (details over headline), so a broken other one would pass unseen."""
+    out = []
+    for rel, model, stage in CHECKED:
+        why = ms.flaw(model, root / rel, partial_ok=True) if (root / rel).exists() else None
+        if why:
+            out.append(
+                f"{rel} is corrupt ({why}), so its figures are lost: rerun {stage} "
+                f"(dvc repro {stage}) to write it again."
+            )
+    return [line for text in out for line in wrap(f"! {text}", 2)]
+
+
 def unreadable_strata(d: ms.EvalDetails) -> bool:
     """Whether a set's ``strata`` (or ``sets`` itself) is there but of the wrong shape."""
     sets = {HELDOUT_SET: d, **(d.sets or {})}
@@ -379,7 +412,7 @@ def render_report(root: Path) -> str:
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
     if not isinstance(ev, str) and "strata" in ev.model_fields_set:
         lines += ["", *section("scorecard", "evaluate", ev, scorecard)]
-    warnings = advice(regen, ev)
+    warnings = corrupt(root) + advice(regen, ev)
     lines += ["", "  warnings", *warnings] if warnings else []
     return "\n".join(lines) + "\n"
 

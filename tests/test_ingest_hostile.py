@@ -170,3 +170,25 @@ def test_a_directory_or_fifo_source_says_what_it_is(tmp_path, monkeypatch, capsy
         assert f"data.source = 'data/raw/{name}': " in err and words in err
         assert "Traceback" not in err
     assert not WS.ingested.exists()
+
+
+def test_turns_given_as_text_are_wrong_shape_not_invalid_json(tmp_path, monkeypatch):
+    source = workspace(tmp_path, monkeypatch, "text_turns.jsonl")
+    (tmp_path / source).write_bytes(lines(GOOD[0], {"messages": "hi"}, GOOD[1]))
+    assert cli.main(["ingest"]) == 0
+    assert report()["skipped"]["wrong_shape"] == {"count": 1, "first_lines": [2]}
+    assert report()["skipped"]["invalid_json"]["count"] == 0
+
+
+@pytest.mark.parametrize("name", ["loop.jsonl", "loopdir/x.jsonl"])
+def test_a_symlink_loop_is_named_a_loop(tmp_path, monkeypatch, capsys, name):
+    workspace(tmp_path, monkeypatch, name)
+    raw = tmp_path / "data/raw"
+    (raw / "loop.jsonl").symlink_to(raw / "back.jsonl")
+    (raw / "back.jsonl").symlink_to(raw / "loop.jsonl")
+    (raw / "loopdir").symlink_to(raw / "loopdir")
+    assert cli.main(["ingest"]) == 2
+    err = capsys.readouterr().err
+    assert f"data/raw/{name}" in err and "loop of symbolic links" in err
+    assert "does not exist" not in err and "Traceback" not in err and err.count("\n") == 1
+    assert not WS.ingested.exists()

@@ -288,3 +288,28 @@ def test_every_figure_is_a_field_of_its_files_model_or_worked_out_by_the_report(
     for name, model in tables.items():
         keys = {key for cells in getattr(report, name) for _, key, _ in cells}
         assert keys <= set(model.model_fields) | worked_out, (name, keys - set(model.model_fields))
+
+
+HEADLINES = {
+    "metrics/train.json": {"tokens_per_s": 54321.0, "steps": 720, "final_loss": 2.345},
+    "metrics/eval.json": {"acceptance_length": 3.456, "n_prompts": 20},
+    "metrics/target.json": {"heldout_perplexity": 24.78},
+    "metrics/regenerate.json": {"conversations": 10},
+}
+"""The headline files ``dvc exp show`` reads, beside the details the report shows."""
+
+
+def test_a_corrupt_or_wrong_typed_metrics_file_is_a_warning(tmp_path):
+    healthy = {**FILES, **HEADLINES}
+    write(tmp_path, healthy)
+    assert warnings_of(render_report(tmp_path)) == ""  # a partial file is no warning
+    for rel, text in healthy.items():
+        whole = json.dumps(text)
+        for bad in (whole[: min(50, len(whole) - 1)], "[1, 2, 3]"):  # cut short, wrong type
+            write(tmp_path, {rel: bad})
+            said = " ".join(warnings_of(render_report(tmp_path)).split())
+            assert f"{rel} is corrupt" in said, (rel, bad)
+        write(tmp_path, {rel: text})
+    write(tmp_path, {"metrics/train.json": {**HEADLINES["metrics/train.json"], "steps": "720"}})
+    said = " ".join(warnings_of(render_report(tmp_path)).split())
+    assert "metrics/train.json is corrupt (steps:" in said and "dvc repro train" in said

@@ -79,6 +79,17 @@ def _loads(text: str) -> object:
     return value
 
 
+def _embedded(text: str, what: str) -> object:
+    """A field that holds JSON as text. The line itself parsed, so text that is not JSON makes
+    the record the wrong shape, not ``invalid_json``."""
+    try:
+        return _loads(text)
+    except RecordError as err:
+        if err.reason != "invalid_json":
+            raise
+        raise RecordError("wrong_shape", f"{what} is text but not JSON") from None
+
+
 def _has_lone_surrogate(value: object) -> bool:
     """Whether a key or string of ``value`` holds half a surrogate pair, which no UTF-8 text
     (hence no digest or Parquet file) can hold. A loop, not recursion: records nest deep."""
@@ -108,7 +119,7 @@ def parse_record(record: object, need_answer: bool = True) -> dict:
     else:
         raise RecordError("wrong_shape", "neither a 'messages' nor a 'conversations' field")
     if isinstance(turns, str):
-        turns = _loads(turns)
+        turns = _embedded(turns, "the turns field")
     if not isinstance(turns, list) or not turns:
         raise RecordError("wrong_shape", "the turns field is not a non-empty list")
     messages = [parse_turn(turn, i) for i, turn in enumerate(turns)]
@@ -131,11 +142,11 @@ def record_tools(record: dict, sharegpt: bool) -> tuple[list[dict], str]:
     """
     tools, system = record.get("tools"), record.get("system") if sharegpt else None
     if isinstance(system, str) and system.lstrip().startswith("["):
-        system = _loads(system)
+        system = _embedded(system, "system")
     if isinstance(system, list):
         tools, system = tools or system, None
     if isinstance(tools, str):
-        tools = _loads(tools) if tools.strip() else None
+        tools = _embedded(tools, "tools") if tools.strip() else None
     if tools is None:
         return [], system if isinstance(system, str) else ""
     if not isinstance(tools, list):
@@ -168,7 +179,7 @@ def _sharegpt_turn(turn: object, i: int) -> dict:
     if sender != "function_call":
         message = _message(SHAREGPT_ROLES[sender], _text(value, i), [], i, _reasoning(turn, i))
         return _tool_result_ids(message, turn, i)
-    calls = _loads(value) if isinstance(value, str) else value
+    calls = _embedded(value, f"turn {i} function_call") if isinstance(value, str) else value
     calls = calls if isinstance(calls, list) else [calls]
     return _message("assistant", "", [_tool_call(call, i) for call in calls], i)
 
