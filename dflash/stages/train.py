@@ -8,7 +8,7 @@ in a temporary file, so ``--set`` overrides reach every rank. The job has
 rank dies with ``torchrun``. Run under ``torchrun`` directly, rank 0 takes the lock itself.
 
 ``torchrun`` runs in a session of its own, so Ctrl-C reaches the launcher alone: it stops the
-job as SIGTERM does (each rank ends quietly) and exits 130 with one line. A rank that fails
+job as SIGTERM does, quietly, and exits 130 with one line. A rank that fails
 after the run wrote its outputs whole (``metrics/train.json`` last, naming the drafter's
 digest) does not make the finished run a failure.
 
@@ -66,10 +66,6 @@ def fingerprint(config: Config, workspace: Workspace | None = None) -> str:
     from dflash.train.checkpoint import run_fingerprint
 
     return run_fingerprint(train_files(workspace or Workspace()), declared(config).inputs)
-
-
-STOP_GRACE_S = 60
-"""How long an interrupted job gets to stop its ranks before they are killed."""
 
 
 def run(config: Config, workspace: Workspace) -> int:
@@ -162,14 +158,12 @@ def _wait(job: subprocess.Popen) -> int:
 
 
 def _stop(job: subprocess.Popen) -> None:
-    """Stop ``torchrun`` as SIGTERM does (it stops its ranks); kill it when it lingers."""
-    job.terminate()
-    try:
-        job.wait(timeout=STOP_GRACE_S)
-    except BaseException:  # the grace ran out, or a second Ctrl-C: no more waiting
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+    """End ``torchrun`` at once and quietly (on a signal of its own it prints a traceback):
+    its ranks die with it, their loader workers with them, and the run resumes from its last
+    checkpoint."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
 
 
 def _finished(workspace: Workspace) -> bool:
