@@ -66,10 +66,11 @@ def test_evaluate_leaves_no_old_metrics_beside_new_rows(tiny_workspace, monkeypa
     os.chdir(tiny_workspace)
     WS.eval_metrics.parent.mkdir(parents=True, exist_ok=True)
     WS.eval_metrics.write_text('{"acceptance_length": 9.9}\n')
-    run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
+    one = ["train.world_size=1", "train.epochs=1"]
+    run_stages(tiny_workspace, ["plan", "train"], one)
     kill_on_call(monkeypatch, "dflash.stages.evaluate.write_json_atomic")  # metrics come last
     with pytest.raises(Killed):
-        run_stages(tiny_workspace, ["evaluate"])
+        run_stages(tiny_workspace, ["evaluate"], one)
     assert not WS.eval_metrics.exists()
 
 

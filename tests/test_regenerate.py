@@ -39,6 +39,9 @@ def trained_template(tiny_workspace_template, tmp_path_factory):
         ["target"],
         ["target.pretrain_epochs=6", "target.pretrain_batch_tokens=192", "target.pretrain_lr=0.01"],
     )
+    # These tests run regenerate by hand with other params than the target was made with
+    # (tests/test_workspace_safety.py covers that refusal): its records are left out.
+    shutil.rmtree(directory / Workspace().provenance)
     return directory
 
 
