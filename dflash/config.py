@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from dflash.param_types import Float, Int, Section, TemplateOptions, require
+from dflash.batching.choices import BOUNDARY_METHODS, strategy_names
+from dflash.param_types import Float, Int, Section, TemplateOptions, one_of, require
 
 
 class DataConfig(Section):
@@ -153,15 +154,16 @@ class DrafterConfig(Section):
 
 
 class BatchingConfig(Section):
-    strategy: Literal["sorted", "shuffle", "bucketed", "packed"] = "bucketed"
-    """How samples become micro-batches (docs/batching.md)."""
+    strategy: one_of(strategy_names) = "bucketed"
+    """How samples become micro-batches (docs/batching.md): a module of
+    ``dflash.batching.strategies`` or an installed plug-in."""
     token_budget: Int = Field(16384, ge=1)
     """Padded tokens (rows x longest row) per micro-batch; a packed row holds up to this many."""
     max_batch_size: Int = Field(64, ge=1)
     """Rows per micro-batch at most."""
     num_buckets: Int = Field(6, ge=1)
     """Length buckets of ``bucketed``."""
-    boundaries: Literal["optimal", "quantile", "token_mass"] | list[Int] = "optimal"
+    boundaries: Literal[BOUNDARY_METHODS] | list[Int] = "optimal"
     """How ``bucketed`` draws its bucket edges: the exact optimum, equal counts, equal tokens,
     or the given edges."""
     seed: Int = Field(0, ge=0)
