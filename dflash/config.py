@@ -152,6 +152,12 @@ class DrafterConfig(Section):
     """An existing token the drafter fills blocks with (a reserved special token of a target
     with no spare embedding rows); None adds ``<|MASK|>`` to the tokenizer when missing."""
 
+    @property
+    def min_loss_tokens(self) -> int:
+        """Loss tokens a sample needs, two blocks' worth: fewer leave no room for one anchored
+        block plus its targets (the tokenize stage drops such a sample)."""
+        return 2 * self.block_size
+
 
 class BatchingConfig(Section):
     strategy: one_of(strategy_names) = "bucketed"
@@ -340,7 +346,7 @@ class Config(BaseModel):
         for key, new in answers:
             if new.max_new_tokens is not None:
                 require(new.max_new_tokens < seq, f"{key}.max_new_tokens", hold, new.max_new_tokens)
-        loss, answer = 2 * block.block_size, self.regenerate.max_new_tokens
+        loss, answer = block.min_loss_tokens, self.regenerate.max_new_tokens
         require(not self.data.regenerate or answer >= loss, "regenerate.max_new_tokens",
                  f"a regenerated answer could never reach the {loss} loss tokens "
                  "(2 x drafter.block_size) a sample needs", answer)  # fmt: skip
@@ -351,9 +357,10 @@ class Config(BaseModel):
             budget,
         )
         require(
-            2 * block.block_size <= seq,
+            block.min_loss_tokens <= seq,
             "drafter.block_size",
-            f"two blocks must fit in data.max_seq_len = {seq}",
+            f"the {block.min_loss_tokens} loss tokens (2 x drafter.block_size) a sample needs "
+            f"must fit in data.max_seq_len = {seq}",
             block.block_size,
         )
         return self
