@@ -18,12 +18,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from dflash.batching.boundaries import METHODS, boundaries_by, predicted_efficiency
+from dflash.batching.boundaries import boundaries_by, predicted_efficiency
+from dflash.batching.choices import BOUNDARY_METHODS
 from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 from dflash.batching.metrics import WINDOW, epoch_metrics, overall, structure
 from dflash.batching.params import PlanParams
 from dflash.batching.planner import plan_epoch
-from dflash.batching.strategies import STRATEGIES
+from dflash.batching.registry import strategies
 
 
 def longtail_lengths(n: int, seed: int) -> np.ndarray:
@@ -144,12 +145,13 @@ def main() -> None:
         f"| - | 1 | 1 | - | - | {ref_seconds:.2f} | - | - |"
     )
     optimal = tuple(boundaries_by("optimal", lengths, args.num_buckets))
-    for strategy in STRATEGIES:
+    for strategy, made_by in strategies().items():
         params = PlanParams(**{**vars(base), "strategy": strategy})
-        if strategy == "bucketed":
+        name = strategy
+        if made_by.uses_buckets:
             params = PlanParams(**{**vars(params), "boundaries": optimal})
+            name = f"{strategy} (optimal, K={args.num_buckets})"
         r = strategy_row(lengths, params, args.epochs)
-        name = f"{strategy} (optimal, K={args.num_buckets})" if strategy == "bucketed" else strategy
         print(
             f"| {name} | {fmt(r['padding_efficiency'])} | {fmt(r['rank_imbalance'])} "
             f"| {fmt(r['cost_imbalance'])} | {fmt(r['cost_imbalance_by_tokens'])} "
@@ -160,11 +162,12 @@ def main() -> None:
         )
 
     print("\nbucketed: padding efficiency vs num_buckets (predicted by the cost model / planned)\n")
-    print("| num_buckets | " + " | ".join(f"{m} predicted | {m} planned" for m in METHODS) + " |")
-    print("|---|" + "---|---|" * len(METHODS))
+    heads = " | ".join(f"{m} predicted | {m} planned" for m in BOUNDARY_METHODS)
+    print(f"| num_buckets | {heads} |")
+    print("|---|" + "---|---|" * len(BOUNDARY_METHODS))
     for k in (int(k) for k in args.bucket_counts.split(",")):
         cells = []
-        for method in METHODS:
+        for method in BOUNDARY_METHODS:
             edges = tuple(boundaries_by(method, lengths, k))
             params = PlanParams(**{**vars(base), "strategy": "bucketed", "boundaries": edges})
             s = structure(plan_epoch(lengths, params, 0))

@@ -33,8 +33,8 @@ from train_throughput import build_longtail, shared_sets
 
 from dflash.batching.io import Row
 from dflash.batching.planner import params_from_config
+from dflash.batching.registry import strategy as strategy_named
 from dflash.batching.stats_files import BUCKETS
-from dflash.batching.strategies import STRATEGIES
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.drafter import DFlashDrafter
@@ -60,7 +60,8 @@ def micro_batches(
     ``(sample_id, offset, length)`` with the store's sample ids."""
     config = load_config(ROOT / "params.yaml", [*sets, f"batching.strategy={strategy}"])
     params = params_from_config(config, sizes, WS.stats / BUCKETS)
-    layout = STRATEGIES[strategy](sizes, params, np.random.default_rng([params.seed, 0]))
+    rng = np.random.default_rng([params.seed, 0])
+    layout = strategy_named(strategy).layout(sizes, params, rng)
     out: list[list[Row]] = []
     offset = 0
     for position, sample in enumerate(layout.order.tolist()):

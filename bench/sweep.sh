@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Which strategy trains best, averaged over seeds: queue every batching strategy over several seeds as DVC
-# experiments, run the queue, then print mean ± std per strategy.
+# Which strategy trains best, averaged over seeds: queue every batching strategy (those
+# dflash.batching.choices lists, plug-ins included) over several seeds as DVC experiments,
+# run the queue, then print mean ± std per strategy.
 #
 #   bench/sweep.sh [SEEDS...]        # default seeds: 0 1 2 (4 strategies x 3 seeds = 12 runs)
 #
@@ -10,7 +11,8 @@ set -euo pipefail
 seeds=("$@")
 [ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
 base=$(git rev-parse HEAD)  # `dvc exp show` lists only HEAD's experiments: name their baseline
-for s in sorted shuffle bucketed packed; do
+strategies=$(python -c 'from dflash.batching.choices import strategy_names; print(*strategy_names())')
+for s in $strategies; do
   for k in "${seeds[@]}"; do
     dvc exp run --queue -n "sweep-$s-$k" \
       -S batching.strategy=$s -S batching.seed=$k -S train.seed=$k

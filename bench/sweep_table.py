@@ -1,9 +1,10 @@
 """Mean ± std per batching strategy over seeded DVC experiments (see ``bench/sweep.sh``).
 
 Reads ``dvc exp show --json`` (from ``--json FILE``, or runs it) and prints one Markdown row
-per strategy: padding efficiency, train tokens/s, loss spikes, grad-norm CV, held-out drafter
-loss per length tercile, τ and the n-gram baseline's τ. A run is one (strategy, batching
-seed, train seed); an experiment wins over a commit or the workspace with the same params.
+per strategy, in the registry's order: padding efficiency, train tokens/s, loss spikes,
+grad-norm CV, held-out drafter loss per length tercile, τ and the n-gram baseline's τ. A run
+is one (strategy, batching seed, train seed); an experiment wins over a commit or the workspace
+with the same params.
 
     python bench/sweep_table.py [--json sweep.json]
 """
@@ -18,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-STRATEGIES = ("sorted", "shuffle", "bucketed", "packed")
+from dflash.batching.choices import strategy_names
+
 COLUMNS: list[tuple[str, str, tuple[str, ...], str]] = [
     ("padding eff.", "metrics/train.json", ("padding_efficiency",), ".3f"),
     ("tokens/s", "metrics/train.json", ("tokens_per_s",), ",.0f"),
@@ -80,7 +82,8 @@ def cell(values: list[float], spec: str) -> str:
 def table(all_runs: list[dict]) -> str:
     header = ["strategy", "runs", *(c[0] for c in COLUMNS)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for strategy in STRATEGIES:
+    seen = {r["params"]["batching"]["strategy"] for r in all_runs}
+    for strategy in [*strategy_names(), *sorted(seen - set(strategy_names()))]:
         group = [r for r in all_runs if r["params"]["batching"]["strategy"] == strategy]
         if not group:
             continue

@@ -2,9 +2,11 @@
 
 Read from the source (``ast``), imports inside functions included, so what a stage imports
 lazily counts too; imports under ``if TYPE_CHECKING:`` run nothing and are left out, as are
-package ``__init__.py`` files holding only a docstring. Three uses share it: the training
-checkpoint fingerprint, regenerate's shard fingerprint, and the test that ``dvc.yaml``'s deps
-cover each stage's imports. An edit to a module outside a closure changes nothing of it.
+package ``__init__.py`` files holding only a docstring. A module that loads a package's
+modules by name says so in ``PLUGIN_PACKAGE``, and they count as its imports. Three uses share
+it: the training checkpoint fingerprint, regenerate's shard fingerprint, and the test that
+``dvc.yaml``'s deps cover each stage's imports. An edit to a module outside a closure changes
+nothing of it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def direct_imports(path: Path) -> set[str]:
     if path.name != "__init__.py":
         package = package.rpartition(".")[0]
     names: set[str] = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -46,6 +49,7 @@ def direct_imports(path: Path) -> set[str]:
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*parent, base] if base else parent)
             names |= {base} | {f"{base}.{alias.name}" for alias in node.names}
+    names |= _plugins(tree)
     found = set()
     for name in names:
         parts = name.split(".")
@@ -53,6 +57,20 @@ def direct_imports(path: Path) -> set[str]:
             # Importing a.b.c runs a/__init__.py and a/b/__init__.py too.
             found |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
     return {name for name in found if module_file(name) is not None}
+
+
+def _plugins(tree: ast.Module) -> set[str]:
+    """The modules of the package a module names in ``PLUGIN_PACKAGE = "..."``: it imports
+    them by name at run time (``dflash.batching.registry``), which ``ast`` cannot see."""
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and [ast.unparse(t) for t in node.targets] == ["PLUGIN_PACKAGE"]
+            and isinstance(node.value, ast.Constant)
+        ):
+            folder = ROOT / Path(*node.value.value.split("."))
+            return {f"{node.value.value}.{p.stem}" for p in folder.glob("*.py")}
+    return set()
 
 
 def _runtime_nodes(tree: ast.AST):

@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from dflash.param_types import Float, Int, Section, TemplateOptions, int_at_most, require
+from dflash.batching.choices import BOUNDARY_METHODS, strategy_names
+from dflash.param_types import Float, Int, Section, TemplateOptions, int_at_most, one_of, require
 
 
 class DataConfig(Section):
@@ -151,17 +152,24 @@ class DrafterConfig(Section):
     """An existing token the drafter fills blocks with (a reserved special token of a target
     with no spare embedding rows); None adds ``<|MASK|>`` to the tokenizer when missing."""
 
+    @property
+    def min_loss_tokens(self) -> int:
+        """Loss tokens a sample needs, two blocks' worth: fewer leave no room for one anchored
+        block plus its targets (the tokenize stage drops such a sample)."""
+        return 2 * self.block_size
+
 
 class BatchingConfig(Section):
-    strategy: Literal["sorted", "shuffle", "bucketed", "packed"] = "bucketed"
-    """How samples become micro-batches (docs/batching.md)."""
+    strategy: one_of(strategy_names) = "bucketed"
+    """How samples become micro-batches (docs/batching.md): a module of
+    ``dflash.batching.strategies`` or an installed plug-in."""
     token_budget: Int = Field(16384, ge=1)
     """Padded tokens (rows x longest row) per micro-batch; a packed row holds up to this many."""
     max_batch_size: Int = Field(64, ge=1)
     """Rows per micro-batch at most."""
     num_buckets: Int = Field(6, ge=1)
     """Length buckets of ``bucketed``."""
-    boundaries: Literal["optimal", "quantile", "token_mass"] | list[Int] = "optimal"
+    boundaries: Literal[BOUNDARY_METHODS] | list[Int] = "optimal"
     """How ``bucketed`` draws its bucket edges: the exact optimum, equal counts, equal tokens,
     or the given edges."""
     seed: Int = Field(0, ge=0)
@@ -348,7 +356,7 @@ class Config(BaseModel):
         for key, new in answers:
             if new.max_new_tokens is not None:
                 require(new.max_new_tokens < seq, f"{key}.max_new_tokens", hold, new.max_new_tokens)
-        loss, answer = 2 * block.block_size, self.regenerate.max_new_tokens
+        loss, answer = block.min_loss_tokens, self.regenerate.max_new_tokens
         require(not self.data.regenerate or answer >= loss, "regenerate.max_new_tokens",
                  f"a regenerated answer could never reach the {loss} loss tokens "
                  "(2 x drafter.block_size) a sample needs", answer)  # fmt: skip
@@ -359,9 +367,10 @@ class Config(BaseModel):
             budget,
         )
         require(
-            2 * block.block_size <= seq,
+            block.min_loss_tokens <= seq,
             "drafter.block_size",
-            f"two blocks must fit in data.max_seq_len = {seq}",
+            f"the {block.min_loss_tokens} loss tokens (2 x drafter.block_size) a sample needs "
+            f"must fit in data.max_seq_len = {seq}",
             block.block_size,
         )
         return self

@@ -16,9 +16,10 @@ from pathlib import Path
 import annotated_types
 from pydantic.fields import FieldInfo
 
+from dflash.batching.registry import strategies
 from dflash.config import Config
 from dflash.declaration import pipeline
-from dflash.param_types import INT_MAX
+from dflash.param_types import INT_MAX, Choices
 
 HEADER = """\
 # Configuration
@@ -36,7 +37,9 @@ _BOUNDS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 def allowed(info: FieldInfo) -> str:
     """The annotation and its numeric bounds, in the words a ``params.yaml`` reader uses."""
-    text = _type_name(info.annotation)
+    choices = [m for m in info.metadata if isinstance(m, Choices)]
+    names = choices[0].names() if choices else ()
+    text = " \\| ".join(f"`{n}`" for n in names) or _type_name(info.annotation)
     bounds = [
         f"{_BOUNDS[name]} {getattr(m, name)}"
         for m in info.metadata
@@ -60,6 +63,15 @@ def _type_name(annotation: object) -> str:
     if annotation is type(None):
         return "null"
     return getattr(annotation, "__name__", str(annotation))
+
+
+def strategy_lines() -> list[str]:
+    """Each batching strategy's own line of documentation, from its module."""
+    return [f"- `{name}`: {s.doc}" for name, s in strategies().items()]
+
+
+EXPLAINED = {"batching": ("The strategies of `batching.strategy`:", strategy_lines)}
+"""Lines under a section's table, with their heading, from the code the choices name."""
 
 
 def readers() -> dict[str, list[str]]:
@@ -93,6 +105,9 @@ def render() -> str:
                 f"| `{name}` | {allowed(info)} | `{default}` | {', '.join(stages) or '-'} | {doc} |"
             )
         lines.append("")
+        if section in EXPLAINED:
+            heading, explain = EXPLAINED[section]
+            lines += [heading, "", *explain(), ""]
     return "\n".join(lines)
 
 

@@ -3,6 +3,8 @@ options, the section base class and the error a rule raises with its key already
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -45,6 +47,27 @@ def _template_options(value: dict[str, Any]) -> dict[str, Any]:
 
 
 TemplateOptions = Annotated[dict[str, Any], AfterValidator(_template_options)]
+
+
+@dataclass(frozen=True)
+class Choices:
+    """The names a string param may take, listed when params are validated, not when this
+    module is imported: plug-ins installed or added later count (``dflash.config_doc`` lists
+    them too)."""
+
+    names: Callable[[], tuple[str, ...]]
+
+    def __call__(self, value: str) -> str:
+        allowed = self.names()
+        if value not in allowed:
+            raise ValueError(f"allowed values are {', '.join(map(repr, allowed))}")
+        return value
+
+
+def one_of(names: Callable[[], tuple[str, ...]]) -> Any:
+    """A string param type that must be one of ``names()``."""
+    choices = Choices(names)
+    return Annotated[str, AfterValidator(choices), choices]
 
 
 class Located(ValueError):

@@ -123,7 +123,7 @@ def at_least(low: int):
     return parse
 
 
-def outside(root: Path) -> str:
+def outside_message(root: Path) -> str:
     """The one wording of the rule, for the path as written (here) and links resolved."""
     return (
         f"a file must lie under {root}/ (relative path), where dvc.yaml tracks it: copy it "
@@ -139,7 +139,7 @@ def check_location(source: str, key: str = "data.source", root: Path = NAMES.raw
         return
     inside = Path(os.path.normpath(source)).parts[: len(root.parts)]
     if Path(source).is_absolute() or Path(*inside) != root:
-        raise ConfigError(f"{key} = {source!r}: {outside(root)}")
+        raise ConfigError(f"{key} = {source!r}: {outside_message(root)}")
 
 
 def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = ()) -> Config:

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dflash import metrics_schema as ms
+from dflash.batching.errors import BatchingError
 from dflash.batching.io import PLAN_SUMMARY as PLAN_SUMMARY_FILE
+from dflash.batching.registry import strategy
 from dflash.config import HELDOUT_SET, Config
 from dflash.data.conversations import read_conversations
 from dflash.data.store import STORE_MANIFEST
@@ -386,6 +388,18 @@ def batching(root: Path) -> dict[str, Any] | str:
     return {"strategy": summary.meta.strategy, **plan.present()} if has_meta else plan.present()
 
 
+def plan_lines(d: dict[str, Any]) -> list[str]:
+    """The plan's figures, then what its strategy does, in the strategy module's own line."""
+    name = d.get("strategy")
+    if not isinstance(name, str):
+        return grid(d, BATCHING)
+    try:
+        doc = strategy(name).doc
+    except BatchingError:
+        doc = "no module of dflash.batching.strategies nor plug-in defines it here"
+    return grid(d, BATCHING) + wrap(f"{name}: {doc}", 13)
+
+
 def token_store(root: Path) -> dict[str, Any] | str:
     """The keys of the tokenize report over those of the store's manifest, either alone."""
     report = read(root, ms.TokenizeReport, NAMES.tokenize_report)
@@ -406,7 +420,7 @@ def render_report(root: Path) -> str:
     lines += section("tokenize", "tokenize", token_store(root), tokenize)
     target = read(root, ms.TargetDetails, NAMES.target_details, NAMES.target_metrics)
     lines += ["", *section("target", "target", target, TARGET)]
-    lines += ["", *section("batching", "plan", batching(root), BATCHING)]
+    lines += ["", *section("batching", "plan", batching(root), plan_lines)]
     train = read(root, ms.TrainDetails, NAMES.train_details, NAMES.train_metrics)
     lines += ["", *section("training", "train", train, TRAINING)]
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]

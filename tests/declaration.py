@@ -56,7 +56,8 @@ def closure_deps(name: str) -> list[str]:
         members = {
             str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*.py") if not docstring_only(p)
         }
-        if folder != PACKAGE and members <= files:
+        inside_named = any(covers(d, Path(folder)) for d in deps if d != folder)
+        if folder != PACKAGE and members <= files and not inside_named:
             deps = {d for d in deps if not covers(folder, Path(d))} | {folder}
     scripts = sorted(d for d in deps if d.startswith("stages/"))
     return scripts + sorted(deps - set(scripts))

@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash.batching.boundaries import (
-    METHODS,
     boundaries_by,
     explicit_boundaries,
     optimal_boundaries,
     predicted_efficiency,
 )
+from dflash.batching.choices import BOUNDARY_METHODS
 from dflash.batching.errors import BatchingError
 
 small_lengths = st.lists(st.integers(1, 40), min_size=1, max_size=14).map(np.array)
@@ -44,7 +44,7 @@ def test_optimal_equals_brute_force(lengths, num_buckets):
 @given(st.lists(st.integers(1, 3000), min_size=1, max_size=400).map(np.array), st.integers(1, 12))
 def test_optimal_never_loses_to_other_methods(lengths, num_buckets):
     best = predicted_efficiency(lengths, optimal_boundaries(lengths, num_buckets))
-    for method in METHODS:
+    for method in BOUNDARY_METHODS:
         edges = boundaries_by(method, lengths, num_buckets)
         assert len(edges) <= num_buckets and edges[-1] == lengths.max()
         assert predicted_efficiency(lengths, edges) <= best + 1e-12

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.batching import io
+from dflash.batching import io, registry
 from dflash.batching.boundaries import optimal_boundaries
 from dflash.batching.errors import (
     BudgetTooSmallError,
@@ -25,7 +25,6 @@ from dflash.batching.lengths import read_lengths
 from dflash.batching.metrics import structure, window_ks
 from dflash.batching.params import PlanParams
 from dflash.batching.planner import main, plan_epoch, plan_meta, write_plans
-from dflash.batching.strategies import STRATEGIES
 from dflash.batching.validate import check_epoch, validate_plans
 
 
@@ -46,7 +45,7 @@ def lognormal_lengths(n: int, seed: int = 0, high: int = 512) -> np.ndarray:
 @st.composite
 def plan_inputs(draw):
     lengths = np.array(draw(st.lists(st.integers(1, 64), min_size=1, max_size=120)), np.int32)
-    strategy = draw(st.sampled_from(sorted(STRATEGIES)))
+    strategy = draw(st.sampled_from(sorted(registry.strategies())))
     max_seq_len = draw(st.integers(int(lengths.max()), 96))
     params = PlanParams(
         strategy=strategy,
@@ -71,7 +70,7 @@ def test_every_invariant_holds(inputs):
         table = plan_epoch(lengths, params, epoch)
     except TooFewMicroBatchesError:
         rng = np.random.default_rng([params.seed, epoch])
-        made = STRATEGIES[params.strategy](lengths, params, rng).n_micro_batches
+        made = registry.strategy(params.strategy).layout(lengths, params, rng).n_micro_batches
         per_step = params.world_size * params.grad_accum
         assert -(-made // per_step) * per_step > lengths.size
         return
@@ -105,7 +104,7 @@ def test_short_after_long_never_breaks_the_budget(strategy):
 
 def test_files_are_byte_identical(tmp_path):
     lengths = lognormal_lengths(3000)
-    for strategy in STRATEGIES:
+    for strategy in registry.strategies():
         params = make_params(lengths, strategy, world_size=2, grad_accum=2, seed=7)
         a, b = tmp_path / f"{strategy}_a", tmp_path / f"{strategy}_b"
         write_plans(lengths, params, 2, a)
@@ -116,7 +115,7 @@ def test_files_are_byte_identical(tmp_path):
             assert (a / name).read_bytes() == (b / name).read_bytes(), (strategy, name)
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(registry.strategies()))
 def test_new_epoch_new_composition_except_sorted(tmp_path, strategy):
     lengths = lognormal_lengths(5000)
     params = make_params(lengths, strategy, world_size=2)
@@ -131,7 +130,7 @@ def test_new_epoch_new_composition_except_sorted(tmp_path, strategy):
     assert summary["epochs"][0]["frozen_batch_fraction"] is None
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", sorted(registry.strategies()))
 def test_ranks_are_balanced(strategy):
     lengths = lognormal_lengths(20000, high=2048)
     params = make_params(lengths, strategy, token_budget=8192, max_batch_size=64, world_size=8)

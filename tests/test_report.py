@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dflash.batching.registry import strategy
 from dflash.data.conversations import write_conversations
 from dflash.report import render_report
 
@@ -114,6 +115,13 @@ REGENERATED = [
         {"role": "assistant", "content": "\n" * 48},
     ]},
 ]  # fmt: skip
+
+
+def test_batching_says_what_its_strategy_does(tmp_path):
+    write(tmp_path, {"data/plans/summary.json": {"meta": {"strategy": "bucketed"}, "n_steps": 1}})
+    assert f"bucketed: {strategy('bucketed').doc[:40]}" in render_report(tmp_path)
+    write(tmp_path, {"data/plans/summary.json": {"meta": {"strategy": "gone"}, "n_steps": 1}})
+    assert "gone: no module of dflash.batching.strategies" in render_report(tmp_path)
 
 
 def test_full_run_shows_key_figures(tmp_path):

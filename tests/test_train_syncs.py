@@ -85,9 +85,9 @@ def test_the_flex_mask_reads_nothing_back():
     """On CUDA the drafter's mask is built on the device from the loader's anchors."""
     kw = dict(block_size=4, anchors_per_sequence=3, gamma=7.0, seed=0, epoch=0)
     mb = build_micro_batch(store(), PACKED, flex=True, **kw)
-    assert mb.plan.blocks is None
+    assert mb.label_plan.blocks is None
     documents = mb.document_ids + torch.arange(2)[:, None] * mb.document_ids.shape[1]
     documents = torch.where(mb.document_ids >= 0, documents, -1).reshape(1, -1)
     with HostReads() as reads:
-        build_attention_mask(mb.plan.anchors, documents, 4, documents.shape[1], flex=True)
+        build_attention_mask(mb.label_plan.anchors, documents, 4, documents.shape[1], flex=True)
     assert len(reads) == 0, reads.by_site()

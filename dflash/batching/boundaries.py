@@ -12,9 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from dflash.batching.choices import BOUNDARY_METHODS
 from dflash.batching.errors import BatchingError
-
-METHODS = ("optimal", "quantile", "token_mass")
 
 
 def quantile_boundaries(lengths: np.ndarray, num_buckets: int) -> list[int]:
@@ -99,14 +98,11 @@ def predicted_efficiency(lengths: np.ndarray, boundaries: Sequence[int]) -> floa
 
 
 def boundaries_by(method: str, lengths: np.ndarray, num_buckets: int) -> list[int]:
-    functions = {
-        "optimal": optimal_boundaries,
-        "quantile": quantile_boundaries,
-        "token_mass": token_mass_boundaries,
-    }
-    if method not in functions:
-        raise BatchingError(f"boundaries method {method!r}: allowed are {', '.join(METHODS)}")
-    return functions[method](lengths, num_buckets)
+    if method not in BOUNDARY_METHODS:
+        raise BatchingError(
+            f"boundaries method {method!r}: allowed are {', '.join(BOUNDARY_METHODS)}"
+        )
+    return BY_METHOD[method](lengths, num_buckets)
 
 
 def explicit_boundaries(edges: Sequence[int], lengths: np.ndarray, max_seq_len: int) -> list[int]:
@@ -117,3 +113,7 @@ def explicit_boundaries(edges: Sequence[int], lengths: np.ndarray, max_seq_len: 
     if edges[-1] < int(lengths.max()):
         edges.append(max_seq_len)
     return edges
+
+
+BY_METHOD = {method: globals()[f"{method}_boundaries"] for method in BOUNDARY_METHODS}
+"""Each method's function, found by its name, so the methods are listed once."""

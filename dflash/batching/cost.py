@@ -17,9 +17,10 @@ import numpy as np
 
 @dataclass(frozen=True)
 class CostModel:
-    anchors_per_document: int = 0
-    block_size: int = 0
-    slot_cost: float = 0.0
+    anchors_per_document: int
+    block_size: int
+    slot_cost: float
+    """No default here: ``batching.slot_cost``'s (``dflash.config``) is the one."""
 
     def anchors(self, lengths: np.ndarray) -> np.ndarray:
         """Blocks a document trains at most: its anchors need a whole block after them."""
@@ -35,5 +36,5 @@ class CostModel:
         return padded + self.slot_cost * self.block_size * anchors.astype(np.float64)
 
 
-BY_PADDED_TOKENS = CostModel()
+BY_PADDED_TOKENS = CostModel(anchors_per_document=0, block_size=0, slot_cost=0.0)
 """Deal by padded tokens alone: what the stats stage simulates, and a plan without a drafter."""

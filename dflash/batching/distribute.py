@@ -14,10 +14,10 @@ import pyarrow as pa
 
 from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 from dflash.batching.io import SCHEMA
-from dflash.batching.layout import Layout, split_to_multiple
+from dflash.batching.layout import BatchLayout, split_to_multiple
 
 
-def padded_sizes(layout: Layout, lengths: np.ndarray) -> np.ndarray:
+def padded_sizes(layout: BatchLayout, lengths: np.ndarray) -> np.ndarray:
     """Padded tokens of every micro-batch: rows × longest row."""
     row_starts = np.flatnonzero(layout.row_begin)
     row_tokens = np.add.reduceat(lengths[layout.order].astype(np.int64), row_starts)
@@ -27,7 +27,7 @@ def padded_sizes(layout: Layout, lengths: np.ndarray) -> np.ndarray:
 
 
 def distribute(
-    layout: Layout,
+    layout: BatchLayout,
     lengths: np.ndarray,
     world_size: int,
     grad_accum: int,
@@ -61,7 +61,7 @@ def distribute(
 
 
 def _table(
-    layout: Layout,
+    layout: BatchLayout,
     lengths: np.ndarray,
     mb_slot: np.ndarray,
     epoch: int,

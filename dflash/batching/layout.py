@@ -1,6 +1,6 @@
 """How samples sit in micro-batches before they are dealt to steps and ranks.
 
-A ``Layout`` is a sample order plus two boolean marks: where a row begins and where a
+A ``BatchLayout`` is a sample order plus two boolean marks: where a row begins and where a
 micro-batch begins. Rows and micro-batches are contiguous runs of that order, which keeps
 every strategy's output a few flat numpy arrays instead of nested Python lists.
 """
@@ -15,7 +15,7 @@ from dflash.batching.errors import TooFewMicroBatchesError
 
 
 @dataclass(frozen=True)
-class Layout:
+class BatchLayout:
     order: np.ndarray
     """int64 sample ids, micro-batch by micro-batch, row by row."""
     row_begin: np.ndarray
@@ -66,7 +66,19 @@ def greedy_chunks(
     return begin
 
 
-def split_to_multiple(layout: Layout, multiple: int) -> Layout:
+def one_sample_rows(
+    order: np.ndarray,
+    lengths: np.ndarray,
+    token_budget: int,
+    max_rows: int,
+    segment: np.ndarray | None = None,
+) -> BatchLayout:
+    """One sample per row, in ``order``, cut into greedy micro-batches (``greedy_chunks``)."""
+    mb_begin = greedy_chunks(lengths[order], token_budget, max_rows, segment)
+    return BatchLayout(order.astype(np.int64), np.ones(order.size, dtype=bool), mb_begin)
+
+
+def split_to_multiple(layout: BatchLayout, multiple: int) -> BatchLayout:
     """Split the largest micro-batches until their count is a multiple of ``multiple``.
 
     Splitting only removes samples from a micro-batch, so budgets still hold and nothing is
@@ -80,7 +92,7 @@ def split_to_multiple(layout: Layout, multiple: int) -> Layout:
         mb_starts = np.flatnonzero(mb_begin)
         need = -mb_starts.size % multiple
         if need == 0:
-            return Layout(layout.order, row_begin, mb_begin)
+            return BatchLayout(layout.order, row_begin, mb_begin)
         if mb_starts.size + need > n:
             raise TooFewMicroBatchesError(
                 f"{n} samples make {mb_starts.size} micro-batches; world_size × grad_accum = "

@@ -17,7 +17,8 @@ from typing import Any
 import matplotlib
 import numpy as np
 
-from dflash.batching.boundaries import METHODS, boundaries_by, predicted_efficiency
+from dflash.batching.boundaries import boundaries_by, predicted_efficiency
+from dflash.batching.choices import BOUNDARY_METHODS
 from dflash.batching.errors import BatchingError
 from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import structure
@@ -67,7 +68,7 @@ def bucket_report(lengths: np.ndarray, num_buckets: int, params: PlanParams) -> 
     depend on how micro-batches are dealt, and a tiny dataset cannot fail for want of ranks.
     """
     report = {}
-    for method in METHODS:
+    for method in BOUNDARY_METHODS:
         edges = boundaries_by(method, lengths, num_buckets)
         simulated = PlanParams(
             strategy="bucketed",

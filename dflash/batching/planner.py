@@ -19,16 +19,17 @@ import numpy as np
 import pyarrow as pa
 
 from dflash.batching import io
-from dflash.batching.boundaries import METHODS, boundaries_by, explicit_boundaries
+from dflash.batching.boundaries import boundaries_by, explicit_boundaries
+from dflash.batching.choices import BOUNDARY_METHODS, strategy_names
 from dflash.batching.cost import CostModel
 from dflash.batching.distribute import distribute
 from dflash.batching.errors import BatchingError
 from dflash.batching.lengths import check_lengths, read_lengths
 from dflash.batching.metrics import epoch_metrics, overall
 from dflash.batching.params import PlanParams
-from dflash.batching.strategies import STRATEGIES
+from dflash.batching.registry import strategies, strategy
 from dflash.batching.validate import validate_plans
-from dflash.config import Config
+from dflash.config import BatchingConfig, Config
 from dflash.fileio import atomic_dir, require_only
 from dflash.params import at_least
 
@@ -37,16 +38,20 @@ logger = logging.getLogger(__name__)
 
 def plan_epoch(lengths: np.ndarray, params: PlanParams, epoch: int) -> pa.Table:
     """One epoch's plan table, rows in plan order (step, rank, micro, row, offset)."""
-    if params.strategy not in STRATEGIES:
-        raise BatchingError(f"strategy {params.strategy!r}: allowed are {', '.join(STRATEGIES)}")
+    layout = strategy(params.strategy).layout
     for name in ("token_budget", "max_seq_len", "max_batch_size", "world_size", "grad_accum"):
         if getattr(params, name) < 1:
             raise BatchingError(f"{name} = {getattr(params, name)}: must be >= 1")
     check_lengths(lengths, params.max_seq_len, params.token_budget)
     rng = np.random.default_rng([params.seed, epoch])
-    layout = STRATEGIES[params.strategy](lengths, params, rng)
     return distribute(
-        layout, lengths, params.world_size, params.grad_accum, epoch, rng, params.cost
+        layout(lengths, params, rng),
+        lengths,
+        params.world_size,
+        params.grad_accum,
+        epoch,
+        rng,
+        params.cost,
     )
 
 
@@ -98,8 +103,9 @@ def resolve_boundaries(
     if isinstance(spec, list):
         return tuple(explicit_boundaries(spec, lengths, max_seq_len))
     method = spec or "optimal"
-    if method not in METHODS:
-        raise BatchingError(f"boundaries {method!r}: allowed are {', '.join(METHODS)} or a list")
+    if method not in BOUNDARY_METHODS:
+        allowed = ", ".join(BOUNDARY_METHODS)
+        raise BatchingError(f"boundaries {method!r}: allowed are {allowed} or a list")
     if buckets_json is None:
         return tuple(boundaries_by(method, lengths, num_buckets))
     if not buckets_json.exists():
@@ -116,7 +122,7 @@ def resolve_boundaries(
 def params_from_config(config: Config, lengths: np.ndarray, buckets_json: Path) -> PlanParams:
     b = config.batching
     boundaries = None
-    if b.strategy == "bucketed":
+    if strategy(b.strategy).uses_buckets:
         boundaries = resolve_boundaries(
             b.boundaries,
             lengths,
@@ -158,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m dflash.batching.planner", description=main.__doc__
     )
     parser.add_argument("--lengths", required=True, help="Parquet file with a 'length' column")
-    parser.add_argument("--strategy", required=True, choices=list(STRATEGIES))
+    parser.add_argument(
+        "--strategy", required=True, choices=strategy_names(), help=_strategies_help()
+    )
     parser.add_argument("--token-budget", type=at_least(1), required=True)
     parser.add_argument("--max-seq-len", type=at_least(1), required=True)
     parser.add_argument("--max-batch-size", type=at_least(1), required=True)
@@ -167,13 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grad-accum", type=at_least(1), default=1)
     parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument(
-        "--boundaries", default="optimal", help="optimal | quantile | token_mass | b0,b1,..."
+        "--boundaries",
+        default=_default("boundaries"),
+        help=" | ".join([*BOUNDARY_METHODS, "b0,b1,..."]),
     )
-    parser.add_argument("--num-buckets", type=at_least(1), default=6)
+    parser.add_argument("--num-buckets", type=at_least(1), default=_default("num_buckets"))
     parser.add_argument("--anchors", type=at_least(0), default=0, help="drafter anchors/document")
     parser.add_argument("--block-size", type=at_least(1), default=16)
     parser.add_argument(
-        "--slot-cost", type=float, default=0.0, help="a block slot's cost in target tokens"
+        "--slot-cost",
+        type=float,
+        default=_default("slot_cost"),
+        help="a block slot's cost in target tokens (with --anchors)",
     )
     parser.add_argument("--out", required=True, help="directory for the epoch files")
     args = parser.parse_args(argv)
@@ -189,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             cost=CostModel(args.anchors, args.block_size, args.slot_cost),
         )
-        if args.strategy == "bucketed":
+        if strategy(args.strategy).uses_buckets:
             spec = args.boundaries
-            if spec not in METHODS:
+            if spec not in BOUNDARY_METHODS:
                 spec = [int(b) for b in spec.split(",")]
             edges = resolve_boundaries(spec, lengths, args.num_buckets, args.max_seq_len)
             params = replace(params, boundaries=edges)
@@ -201,6 +214,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(headline(summary))
     return 0
+
+
+def _default(name: str) -> Any:
+    """A ``batching`` param's default, so the command and ``params.yaml`` agree when omitted."""
+    return BatchingConfig.model_fields[name].default
+
+
+def _strategies_help() -> str:
+    """Each strategy's line, for ``--help`` (argparse reads ``%`` as a format)."""
+    return "; ".join(f"{n}: {s.doc}" for n, s in strategies().items()).replace("%", "%%")
 
 
 def _validate_main(argv: list[str]) -> int:

@@ -15,8 +15,10 @@ import pyarrow as pa
 
 from dflash.batching import io
 from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
-from dflash.batching.errors import InvalidPlanError
+from dflash.batching.errors import BatchingError, InvalidPlanError
 from dflash.batching.metrics import epoch_metrics, structure
+from dflash.batching.registry import strategy
+from dflash.batching.strategy import Strategy
 
 FIGURE_TOLERANCE = 1e-9
 
@@ -35,6 +37,7 @@ def validate_plans(plans_dir: str | Path, lengths: np.ndarray) -> dict[str, Any]
         len(summary["epochs"]) == meta["epochs"],
         f"summary lists {len(summary['epochs'])} epochs, meta says {meta['epochs']}",
     )
+    made_by = _strategy(meta)
     previous = None
     cost = CostModel(**meta["cost"]) if "cost" in meta else BY_PADDED_TOKENS
     for epoch in range(meta["epochs"]):
@@ -45,17 +48,17 @@ def validate_plans(plans_dir: str | Path, lengths: np.ndarray) -> dict[str, Any]
         check_epoch(table, lengths, meta, epoch)
         figures, previous = epoch_metrics(table, lengths.size, previous, cost)
         _check_figures(figures, summary["epochs"][epoch], f"epoch {epoch}")
-        if meta["strategy"] == "sorted" and epoch > 0:
-            _require(
-                figures["frozen_batch_fraction"] == 1.0,
-                f"epoch {epoch}: 'sorted' must keep every micro-batch of the previous epoch",
-            )
+        _require(
+            not (made_by.frozen and epoch > 0) or figures["frozen_batch_fraction"] == 1.0,
+            f"epoch {epoch}: '{made_by.name}' must keep every micro-batch of the previous epoch",
+        )
     return summary
 
 
 def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoch: int) -> None:
     """The invariants of one epoch table against the lengths and the plan's meta."""
     where = f"epoch {epoch}"
+    made_by = _strategy(meta)
     _require(
         table.schema.remove_metadata().equals(io.SCHEMA),
         f"{where}: schema {table.schema} differs from {io.SCHEMA}",
@@ -117,8 +120,10 @@ def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoc
             "before it in its row"
         ),
     )
-    if meta["strategy"] != "packed":
-        _require(s.row_starts.size == n, f"{where}: '{meta['strategy']}' rows hold one sample")
+    _require(
+        made_by.packs_rows or s.row_starts.size == n,
+        f"{where}: '{made_by.name}' rows hold one sample",
+    )
     _first(
         col["length"] > meta["max_seq_len"],
         lambda i: f"{where}: sample {ids[i]} has {col['length'][i]} tokens > max_seq_len",
@@ -131,12 +136,20 @@ def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoc
         s.padded > meta["token_budget"],
         lambda i: f"{where}: micro-batch {i} pads to {s.padded[i]} tokens > token_budget",
     )
-    if meta["strategy"] == "bucketed":
+    if made_by.uses_buckets:
         bucket = np.searchsorted(np.asarray(meta["boundaries"]), col["length"], side="left")
         _first(
             (np.diff(bucket) != 0) & (np.diff(s.mb_id) == 0),
             lambda i: f"{where}: micro-batch {s.mb_id[i]} mixes length buckets",
         )
+
+
+def _strategy(meta: dict[str, Any]) -> Strategy:
+    """The strategy that made the plan, whose expectations the plan must meet."""
+    try:
+        return strategy(meta["strategy"])
+    except BatchingError as err:
+        raise InvalidPlanError(f"the plan's {err}") from None
 
 
 def _check_order(col: dict[str, np.ndarray], where: str) -> None:

@@ -26,7 +26,7 @@ from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, 
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
 from dflash.errors import ConfigError
 from dflash.fileio import not_a_file
-from dflash.params import outside
+from dflash.params import outside_message
 
 FIRST_LINES = 5
 """How many line numbers the report keeps per reason: enough to go and look."""
@@ -265,4 +265,4 @@ def require_inside(path: str, key: str, roots: tuple[Path, ...]) -> None:
     real = Path(path).resolve()
     if any(real.is_relative_to(r.resolve()) for r in roots):
         return
-    raise ConfigError(f"{key} = {path!r}: {outside(roots[0])} (it is a link to {real})")
+    raise ConfigError(f"{key} = {path!r}: {outside_message(roots[0])} (it is a link to {real})")

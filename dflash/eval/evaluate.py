@@ -31,7 +31,8 @@ from dflash.model.generate import (
 )
 from dflash.progress import progress_bar
 
-METHODS = ("dflash", "ngram", "untrained")
+DECODERS = ("dflash", "ngram", "untrained")
+"""What each held-out prompt is decoded with: the drafter, prompt lookup, an untrained drafter."""
 NGRAM_MAX = 4
 """Longest suffix n-gram prompt lookup matches (vLLM's ``prompt_lookup_max`` default)."""
 
@@ -42,9 +43,9 @@ class Decodes:
 
     greedy: list[GenerateOutput] = field(default_factory=list)
     methods: dict[str, list[GenerateOutput]] = field(
-        default_factory=lambda: {m: [] for m in METHODS}
+        default_factory=lambda: {m: [] for m in DECODERS}
     )
-    verdicts: dict[str, list[str]] = field(default_factory=lambda: {m: [] for m in METHODS})
+    verdicts: dict[str, list[str]] = field(default_factory=lambda: {m: [] for m in DECODERS})
     margins: list[float] = field(default_factory=list)
     """Top-2 logit margins at the first divergence of any method (near-ties and mismatches)."""
 
@@ -86,7 +87,7 @@ def answer_shape(greedy: list[GenerateOutput], max_new_tokens: int, stop_ids) ->
 
 
 def summarize(decodes: Decodes, seed: int, block_size: int, new_tokens: int, stop_ids) -> dict:
-    runs = {m: summarize_method(decodes.methods[m], decodes.greedy, seed) for m in METHODS}
+    runs = {m: summarize_method(decodes.methods[m], decodes.greedy, seed) for m in DECODERS}
     dflash = decodes.methods["dflash"]
     tokens = sum(len(o.tokens) for o in dflash)
     full = sum(f for o in dflash for f in o.full)
@@ -107,7 +108,7 @@ def summarize(decodes: Decodes, seed: int, block_size: int, new_tokens: int, sto
                 "speedup": runs[m]["speedup"],
                 "lossless_mismatches": decodes.verdicts[m].count("mismatch"),
             }
-            for m in METHODS[1:]
+            for m in DECODERS[1:]
         },
     }
     return metrics | answer_shape(decodes.greedy, new_tokens, stop_ids)

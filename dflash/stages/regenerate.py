@@ -74,11 +74,6 @@ def in_process(
 def regenerate(config: Config, w: Workspace) -> dict:
     """Regenerate the training split shard by shard; return the report."""
     size = config.regenerate.shard_size
-    if config.data.max_seq_len <= config.regenerate.max_new_tokens:
-        raise ValueError(
-            f"data.max_seq_len = {config.data.max_seq_len} leaves no room for a prompt with "
-            f"regenerate.max_new_tokens = {config.regenerate.max_new_tokens}"
-        )
     tokenizer = load_tokenizer(w.tokenizer)
     if config.regenerate.backend == "openai":
         answer, engine = served(config, tokenizer, dict(config.data.chat_template_kwargs))

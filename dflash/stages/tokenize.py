@@ -24,7 +24,7 @@ def run(config: Config, workspace: Workspace) -> int:
     policy = Policy(
         data.max_seq_len,
         data.overlength,
-        2 * config.drafter.block_size,
+        config.drafter.min_loss_tokens,
         data.turns,
         dict(data.chat_template_kwargs),
         data.special_tokens_in_content,

@@ -36,7 +36,7 @@ class MicroBatch:
     real_tokens: int
     padded_tokens: int
     n_samples: int
-    plan: LabelPlan | None = None
+    label_plan: LabelPlan | None = None
     """The objective's labels and mask chunks (``label_plan``); None: the step computes them."""
     layout: DocumentLayout | bool | None = None
     """The feature pass's ``packing``; None: the step computes it."""
@@ -112,7 +112,7 @@ def build_micro_batch(
         anchor_tensor[r, : len(a)] = a
     loss_mask_t, document_ids_t = torch.from_numpy(loss_mask), torch.from_numpy(document_ids)
     anchors_t = torch.from_numpy(anchor_tensor)
-    plan = label_plan(loss_mask_t, document_ids_t, anchors_t, block_size, gamma, blocks=not flex)
+    labels = label_plan(loss_mask_t, document_ids_t, anchors_t, block_size, gamma, blocks=not flex)
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         loss_mask=loss_mask_t,
@@ -120,11 +120,11 @@ def build_micro_batch(
         position_ids=torch.from_numpy(position_ids),
         anchors=anchors_t,
         # The objective's own float32 weights, summed in float64 (exact: they are few bits wide).
-        weight_sum=float(plan.weights.double().sum()),
+        weight_sum=float(labels.weights.double().sum()),
         real_tokens=real_tokens,
         padded_tokens=n_rows * width,
         n_samples=sum(len(row) for row in rows),
-        plan=plan,
+        label_plan=labels,
         layout=packing(document_ids_t, windows),
     )
 

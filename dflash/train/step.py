@@ -62,7 +62,7 @@ def drafter_loss(
         mb.position_ids,
         mb.anchors,
         gamma,
-        plan=mb.plan,
+        plan=mb.label_plan,
     )
 
 
