@@ -59,3 +59,19 @@ def test_a_checkpoint_for_another_target_exits_2_before_training(
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err
     assert not list((tiny_workspace / "checkpoints").glob("step_*"))
+
+
+def test_another_checkpoint_never_resumes_this_ones_training(tiny_workspace, monkeypatch):
+    from dflash.params import load_config
+    from dflash.stages.train import fingerprint
+
+    monkeypatch.chdir(tiny_workspace)
+    init = tiny_workspace / "models/init/first"
+    init.mkdir(parents=True)
+    (init / "config.json").write_text("{}")
+    config = load_config("params.yaml", ["drafter.init_from=models/init/first"])
+    before = fingerprint(config)
+    assert fingerprint(config) == before
+    assert fingerprint(load_config("params.yaml")) != before
+    (init / "config.json").write_text("{ }")
+    assert fingerprint(config) != before

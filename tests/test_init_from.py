@@ -22,10 +22,12 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from dflash.config import DrafterConfig
 from dflash.errors import ConfigError
+from dflash.metrics_schema import TrainDetails
 from dflash.model import remote
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
 from dflash.model.imported import checkpoint_weights, read_checkpoint
+from dflash.report import drafter_sources
 from dflash.train.init_drafter import TargetShape, checked_checkpoint
 
 LAYERS = {
@@ -257,3 +259,12 @@ def test_null_params_follow_the_checkpoint(reference, tmp_path):
     _, sources = checked_checkpoint(d, source, TARGET)
     assert sources["num_hidden_layers"] == "2 (checkpoint)"
     assert sources["num_target_features"] == "2 (params = checkpoint)"
+
+
+def test_report_says_where_each_value_came_from():
+    sources = {"block_size": "4 (params = checkpoint)", "num_hidden_layers": "2 (checkpoint)",
+               "init_from": "models/init/zlab (z-lab)"}  # fmt: skip
+    lines = drafter_sources(TrainDetails.model_construct(drafter_sources=sources))
+    text = " ".join(line.strip() for line in lines)
+    assert text.startswith("drafter from models/init/zlab (z-lab): block_size 4 (params =")
+    assert "num_hidden_layers 2 (checkpoint)" in text and all(len(x) <= 80 for x in lines)
