@@ -57,6 +57,7 @@ def provenance(d: DrafterConfig, checkpoint: Checkpoint | None) -> dict[str, str
             )
         sources[key] = f"{value} ({'checkpoint' if param is None else 'params = checkpoint'})"
     sources["target_layer_ids"] = f"{checkpoint.target_layer_ids} (checkpoint)"
+    sources["mask_token_id"] = f"{checkpoint.mask_token_id} (checkpoint)"
     return sources
 
 
