@@ -42,8 +42,6 @@ TARGET_OWNED = frozenset(
 """Weights a speculators checkpoint may carry that are the target's: the drafter borrows them."""
 VOCAB_MAPS = frozenset({"t2d", "d2t"})
 """speculators' draft-vocabulary maps: present (even all-true) only beside a full vocabulary."""
-LAYER_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "intermediate_size", "rms_norm_eps", "vocab_size", "num_hidden_layers")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -54,7 +52,7 @@ class Checkpoint:
     format: str
     """``z-lab`` (also this project's exports) or ``speculators``."""
     layers: dict[str, Any]
-    """The layer geometry (``LAYER_KEYS``) and ``rope_theta``."""
+    """The layer geometry (sizes, heads, norm eps, vocabulary, depth) and ``rope_theta``."""
     block_size: int
     target_layer_ids: list[int]
     mask_token_id: int
@@ -101,8 +99,11 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
 def _layers(path: Path, fmt: str, raw: dict) -> dict[str, Any]:
     """The layer geometry of a Hugging Face layer config, refusing what the drafter lacks."""
     fields = {k: v for k, v in raw.items() if k not in ("dflash_config", "auto_map")}
-    config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
     where = f"{KEY} = {str(path)!r} ({fmt})"
+    try:
+        config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{where}: its layer config does not load ({err})") from None
     rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
                 or {})  # fmt: skip
     unsupported = {
