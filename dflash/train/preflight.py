@@ -1,7 +1,8 @@
 """What the launching process checks once, before any rank starts.
 
-A stale plan, a world size the plans were not made for, or more ranks than GPUs would otherwise
-be found by every rank at once: the same message printed N times, then torchrun's traceback.
+A stale plan, a world size the plans were not made for, more ranks than GPUs, or a starting
+checkpoint made for another target would otherwise be found by every rank at once: the same
+message printed N times, then torchrun's traceback.
 """
 
 from __future__ import annotations
