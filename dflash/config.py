@@ -138,12 +138,19 @@ class RegenerateConfig(Section):
 
 
 class DrafterConfig(Section):
+    init_from: str | None = None
+    """A DFlash checkpoint directory under models/init/ (z-lab's, speculators' or this
+    project's export) that training starts from; None starts from random weights. Its
+    geometry is the drafter's: the keys below that are set must agree with it
+    (docs/finetune.md)."""
     block_size: Int = Field(16, ge=2)
-    """Tokens per drafted block, the anchor included (paper: 16)."""
-    num_hidden_layers: Int = Field(1, ge=1)
-    """Drafter layers (paper: 5)."""
-    num_target_features: Int = Field(3, ge=1)
-    """How many target layers' hidden states are fused (paper: 5)."""
+    """Tokens per drafted block, the anchor included (paper: 16); with ``init_from`` it must
+    be the checkpoint's, since tokenize and plan use it too."""
+    num_hidden_layers: Int | None = Field(1, ge=1)
+    """Drafter layers (paper: 5); null follows ``init_from``'s checkpoint."""
+    num_target_features: Int | None = Field(3, ge=1)
+    """How many target layers' hidden states are fused (paper: 5); null follows
+    ``init_from``'s checkpoint, whose layer ids are kept."""
     gamma: Float = Field(7.0, ge=1e-6)
     """Loss decay: slot k weighs exp(-(k-1)/gamma)."""
     anchors_per_sequence: Int = Field(512, ge=1)
@@ -157,6 +164,14 @@ class DrafterConfig(Section):
         """Loss tokens a sample needs, two blocks' worth: fewer leave no room for one anchored
         block plus its targets (the tokenize stage drops such a sample)."""
         return 2 * self.block_size
+
+    @model_validator(mode="after")
+    def _follows(self) -> DrafterConfig:
+        for key in ("num_hidden_layers", "num_target_features"):
+            require(self.init_from is not None or getattr(self, key) is not None,
+                    f"drafter.{key}", "null follows drafter.init_from, which is null: "
+                    "set a number", None)  # fmt: skip
+        return self
 
 
 class BatchingConfig(Section):

@@ -232,6 +232,9 @@ class TrainDetails(Metrics):
 
     data_wait_fraction: float
     drafter_sha256: str
+    drafter_sources: dict[str, str] | None = None
+    """Each drafter geometry param's value and where it came from (params, or the checkpoint
+    ``drafter.init_from`` names, then also under ``init_from``)."""
     drafter_wait_fraction: float
     epochs: int
     final_accuracy: float

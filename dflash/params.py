@@ -123,23 +123,27 @@ def at_least(low: int):
     return parse
 
 
-def outside_message(root: Path) -> str:
+def outside_message(root: Path, what: str = "a file") -> str:
     """The one wording of the rule, for the path as written (here) and links resolved."""
     return (
-        f"a file must lie under {root}/ (relative path), where dvc.yaml tracks it: copy it "
+        f"{what} must lie under {root}/ (relative path), where dvc.yaml tracks it: copy it "
         "there and `dvc add` it, or `dvc import-url` it there"
     )
 
 
-def check_location(source: str, key: str = "data.source", root: Path = NAMES.raw) -> None:
+def check_location(
+    source: str, key: str = "data.source", root: Path = NAMES.raw, what: str = "a file"
+) -> None:
     """A file source must lie under ``root``, which ``dvc.yaml`` tracks: elsewhere it could
     change unnoticed. Checked where params load from a file, not in the schema, so code and
     tests may point a ``DataConfig`` at any file."""
     if source == "chitchat":
         return
-    inside = Path(os.path.normpath(source)).parts[: len(root.parts)]
-    if Path(source).is_absolute() or Path(*inside) != root:
-        raise ConfigError(f"{key} = {source!r}: {outside_message(root)}")
+    inside = Path(os.path.normpath(source)).parts[: len(root.parts) + 1]
+    if Path(source).is_absolute() or Path(*inside[: len(root.parts)]) != root:
+        raise ConfigError(f"{key} = {source!r}: {outside_message(root, what)}")
+    if len(inside) == len(root.parts):
+        raise ConfigError(f"{key} = {source!r}: name an entry inside {root}/, not {root}/ itself")
 
 
 def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = ()) -> Config:
@@ -154,6 +158,9 @@ def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = 
     for name, spec in config.evaluate.sets.items():
         if spec.path is not None:
             check_location(spec.path, f"evaluate.sets.{name}.path", NAMES.prompts)
+    if config.drafter.init_from is not None:
+        what = "a checkpoint directory"
+        check_location(config.drafter.init_from, "drafter.init_from", NAMES.init_drafters, what)
     return config
 
 

@@ -370,6 +370,16 @@ def scorecard(d: ms.EvalDetails) -> list[str]:
     return out
 
 
+def drafter_sources(d: ms.TrainDetails) -> list[str]:
+    """Where the drafter's geometry came from: the params, or the checkpoint it started from."""
+    sources = dict(d.drafter_sources or {})
+    if not sources:
+        return []
+    start = sources.pop("init_from", "random weights")
+    shown = ", ".join(f"{key} {value}" for key, value in sources.items())
+    return wrap(f"drafter from {start}: {shown}", 13)
+
+
 def section(label: str, stage: str, data: ms.Metrics | dict | str, lines: Any) -> list[str]:
     """``lines(data)`` under ``label``, or why there is nothing to show."""
     if isinstance(data, str):
@@ -423,6 +433,7 @@ def render_report(root: Path) -> str:
     lines += ["", *section("batching", "plan", batching(root), plan_lines)]
     train = read(root, ms.TrainDetails, NAMES.train_details, NAMES.train_metrics)
     lines += ["", *section("training", "train", train, TRAINING)]
+    lines += [] if isinstance(train, str) else drafter_sources(train)
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
     if not isinstance(ev, str) and "strata" in ev.model_fields_set:
         lines += ["", *section("scorecard", "evaluate", ev, scorecard)]

@@ -75,6 +75,10 @@ class Workspace:
     drafter = _at(
         "models/drafter", "A Hugging Face model directory (:mod:`dflash.model.hf_files`)."
     )
+    init_drafters = _at(
+        "models/init",
+        "Checkpoints ``drafter.init_from`` names, a dep of ``train``: a changed one retrains.",
+    )
     checkpoints = _at("checkpoints", "Training checkpoints (:mod:`dflash.train.checkpoint`).")
     provenance = _at(
         ".dflash/provenance",

@@ -199,9 +199,16 @@ class DFlashDrafter(DraftModules, nn.Module):
     def from_pretrained(cls, directory: str | Path, target: nn.Module) -> DFlashDrafter:
         directory = Path(directory)
         config = read_config(json.loads((directory / hf_files.CONFIG).read_text()))
+        return cls.from_weights(config, load_file(directory / hf_files.WEIGHTS), target)
+
+    @classmethod
+    def from_weights(
+        cls, config: DFlashDraftConfig, weights: dict[str, Tensor], target: nn.Module
+    ) -> DFlashDrafter:
+        """The drafter of ``config`` holding exactly ``weights`` (every one, no other), copied
+        into fp32 parameters, as in training, whatever dtype they are stored in."""
         drafter = cls._attach(config, target)
-        # copied into fp32 parameters, as in training, whatever dtype the file holds
-        drafter.load_state_dict(load_file(directory / hf_files.WEIGHTS), strict=True)
+        drafter.load_state_dict(weights, strict=True)
         return drafter
 
     def embed(self, token_ids: Tensor) -> Tensor:

@@ -126,7 +126,8 @@ def run(config: Config, workspace: Workspace) -> None:
     w = workspace
     set_cpu_threads()
     depth = target_depth(config.target.path, config.target.num_hidden_layers)
-    check_layer_selection(depth, config.drafter.num_target_features)
+    if config.drafter.num_target_features is not None:  # null: train checks the checkpoint's
+        check_layer_selection(depth, config.drafter.num_target_features)
     tokenizer = load_tokenizer(w.tokenizer)
     if config.target.path is None:
         pretrain_target(config, tokenizer, w)

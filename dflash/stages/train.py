@@ -35,13 +35,13 @@ from dflash.declaration import declared_params, whole
 from dflash.fileio import remove_files
 from dflash.lock import HELD_BY_LAUNCHER, launched_by_torchrun, workspace_lock
 from dflash.train.allocator import configure_allocator
-from dflash.train.files import Declared, TrainFiles
+from dflash.train.files import Declared, TrainFiles, weight_inputs
 from dflash.train.orphans import die_with_parent, parent_death_signal
 from dflash.workspace import Workspace
 
 
-def train_files(workspace: Workspace) -> TrainFiles:
-    w = workspace
+def train_files(workspace: Workspace, config: Config) -> TrainFiles:
+    w, init = workspace, config.drafter.init_from
     return TrainFiles(
         tokenized=w.tokenized,
         plans=w.plans,
@@ -54,6 +54,7 @@ def train_files(workspace: Workspace) -> TrainFiles:
         details=w.train_details,
         log=w.train_log,
         live=w.train_live,
+        init=None if init is None else w.root / init,
     )
 
 
@@ -65,7 +66,8 @@ def fingerprint(config: Config, workspace: Workspace | None = None) -> str:
     """The checkpoint fingerprint a run of ``config`` in ``workspace`` resumes only into."""
     from dflash.train.checkpoint import run_fingerprint
 
-    return run_fingerprint(train_files(workspace or Workspace()), declared(config).inputs)
+    files = train_files(workspace or Workspace(), config)
+    return run_fingerprint(files, weight_inputs(files, declared(config)))
 
 
 def run(config: Config, workspace: Workspace) -> int:
@@ -82,7 +84,7 @@ def _rank(config: Config, workspace: Workspace) -> int:
     die_with_parent()
     own_lock = HELD_BY_LAUNCHER not in os.environ and os.environ.get("RANK") == "0"
     with workspace_lock(workspace.lock, "train") if own_lock else nullcontext():
-        train(config, train_files(workspace), declared(config))
+        train(config, train_files(workspace, config), declared(config))
     return 0
 
 
@@ -91,7 +93,7 @@ def _launch(config: Config, workspace: Workspace) -> int:
         from dflash.train.preflight import preflight
         from dflash.train.topology import processes
 
-        files = train_files(workspace)
+        files = train_files(workspace, config)
         preflight(config, files)
         if processes(config.train) == 1:
             from dflash.train.loop import train

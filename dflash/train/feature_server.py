@@ -23,12 +23,12 @@ from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.features import sliding_windows, target_features
-from dflash.model.layer_ids import target_layer_ids
 from dflash.model.load import load_target
 from dflash.train import simulated
 from dflash.train.batches import build_micro_batch
 from dflash.train.distributed import Dist
 from dflash.train.files import TrainFiles
+from dflash.train.init_drafter import tapped_layers
 from dflash.train.parallel import load_sharded_target
 from dflash.train.topology import Layout, fractions, schedule, start_point, wait
 
@@ -104,7 +104,7 @@ def serve(config: Config, files: TrainFiles, ctx: Dist, layout: Layout) -> None:
     """
     target = served_target(files.target, ctx, layout)
     d, t = config.drafter, config.train
-    layer_ids = target_layer_ids(target.config.num_hidden_layers, d.num_target_features)
+    layer_ids = tapped_layers(d, files.init, target.config.num_hidden_layers)
     dtype, autocast = target.get_input_embeddings().weight.dtype, autocast_for(ctx.device)
     if ctx.rank == layout.drafter_ranks or layout.sharded_target:
         tokenizer = load_tokenizer(files.tokenizer)

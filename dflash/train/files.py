@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.fingerprint import path_digest
+
 
 @dataclass(frozen=True)
 class TrainFiles:
@@ -29,6 +31,8 @@ class TrainFiles:
     """The training curves as CSV, rewritten at every log row."""
     live: Path
     """DVCLive's directory."""
+    init: Path | None = None
+    """The checkpoint training starts from (``drafter.init_from``); None from scratch."""
 
 
 @dataclass(frozen=True)
@@ -38,3 +42,11 @@ class Declared:
     inputs: dict[str, Any]
     """What the weights depend on by declaration (params and code), for the checkpoint
     fingerprint."""
+
+
+def weight_inputs(files: TrainFiles, declared: Declared) -> dict[str, Any]:
+    """What the weights depend on by declaration, and the starting checkpoint's contents: a
+    run from another checkpoint never resumes this one's training checkpoints."""
+    if files.init is None:
+        return declared.inputs
+    return declared.inputs | {"init": path_digest(files.init)}

@@ -27,7 +27,6 @@ from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
 from dflash.metrics_schema import TrainDetails, TrainHeadline
-from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import flex_available, flex_compiles
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
@@ -39,7 +38,8 @@ from dflash.train.borrowed import load_borrowed
 from dflash.train.clock import StepClock
 from dflash.train.distributed import Dist, barrier, from_rank_zero, init_distributed, shutdown
 from dflash.train.feature_server import receive_row, serve
-from dflash.train.files import Declared, TrainFiles
+from dflash.train.files import Declared, TrainFiles, weight_inputs
+from dflash.train.init_drafter import build_drafter
 from dflash.train.monitor import Monitor
 from dflash.train.parallel import (
     borrowed_unsharded,
@@ -98,17 +98,10 @@ class Trainer:
 
         self.target = self._load_target()
         tokenizer = load_tokenizer(files.tokenizer)
-        mask_token_id = tokenizer.mask_token_id
-        d = config.drafter
-        self.drafter = DFlashDrafter.from_target(
-            self.target,
-            block_size=d.block_size,
-            num_hidden_layers=d.num_hidden_layers,
-            num_target_features=d.num_target_features,
-            mask_token_id=mask_token_id,
-            mask_token=tokenizer.mask_token,
-            seed=config.train.seed,
-        ).to(ctx.device)
+        drafter, self.drafter_sources = build_drafter(
+            config.drafter, files.init, self.target, tokenizer, config.train.seed
+        )
+        self.drafter = drafter.to(ctx.device)
         self.drafter.recompute = config.train.recompute
         self.layer_ids = self.drafter.config.target_layer_ids
         t = config.train
@@ -136,7 +129,7 @@ class Trainer:
         )
         self.simulated = self._simulated(tokenizer)
         self.fingerprint = from_rank_zero(
-            ctx, lambda: checkpoint.run_fingerprint(files, declared.inputs)
+            ctx, lambda: checkpoint.run_fingerprint(files, weight_inputs(files, declared))
         )
         self.run_dir = checkpoint.run_directory(files.checkpoints, self.fingerprint)
         if ctx.is_main:
@@ -388,6 +381,7 @@ class Trainer:
             "world_size": self.ctx.world_size,
             "train_seconds": s.elapsed_s,
             "flex_compiles": flex_compiles(),
+            "drafter_sources": self.drafter_sources,
         }
 
 

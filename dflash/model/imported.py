@@ -1,0 +1,225 @@
+"""An existing DFlash drafter read as this project's: z-lab's, speculators', or an export.
+
+z-lab's format is the one :mod:`dflash.model.export` writes (docs/design.md, "Drafter
+export"): a Qwen3 ``config.json`` whose ``dflash_config`` holds ``target_layer_ids`` and
+``mask_token_id`` (``block_size`` at the top level, or inside it in newer files), and weights
+``layers.*``, ``fc``, ``hidden_norm`` and ``norm`` under the names :mod:`dflash.model.remote`
+gives them. speculators' ``DFlashDraftModel`` keeps the same weight names, but its
+``config.json`` nests the layer config under ``transformer_layer_config`` and names the
+tapped layers ``aux_hidden_state_layer_ids``, counted from the embedding (vLLM's ids: DFlash's
+``target_layer_ids`` + 1); it may also hold copies of the target's embedding and head, which
+the drafter borrows instead. Anything the trainer's drafter would compute differently (biased
+projections, sliding-window layers, scaled rope, a reduced draft vocabulary) is refused, so an
+import is exact or it is an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+from transformers import AutoConfig
+
+from dflash.errors import ConfigError
+from dflash.model import hf_files, remote
+from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
+from dflash.model.remote import DFlashDraftConfig
+
+KEY = "drafter.init_from"
+
+SPECULATORS_TYPE = "dflash"
+"""``speculators_model_type`` of a speculators DFlash checkpoint."""
+SPECULATORS_DEFAULT_BLOCK = 8
+"""The block size speculators' config assumes when its file names none."""
+TARGET_OWNED = frozenset(
+    {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+)
+"""Weights a speculators checkpoint may carry that are the target's: the drafter borrows them."""
+VOCAB_MAPS = frozenset({"t2d", "d2t"})
+"""speculators' draft-vocabulary maps: present (even all-true) only beside a full vocabulary."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A drafter checkpoint directory and what it says of the drafter."""
+
+    path: Path
+    format: str
+    """``z-lab`` (also this project's exports) or ``speculators``."""
+    layers: dict[str, Any]
+    """The layer geometry (sizes, heads, norm eps, vocabulary, depth) and ``rope_theta``."""
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    mask_token: str | None
+    num_target_layers: int | None
+    """The target's depth, where the file records it."""
+
+    def fail(self, why: str) -> ConfigError:
+        return ConfigError(f"{KEY} = {str(self.path)!r} ({self.format}): {why}")
+
+    def drafter_config(self, depth: int, mask_token: str | None) -> DFlashDraftConfig:
+        """The trainer's config of this drafter, for a target of ``depth`` layers."""
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids}
+        if (self.mask_token or mask_token) is not None:
+            dflash["mask_token"] = self.mask_token or mask_token
+        return DFlashDraftConfig(
+            **self.layers,
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers or depth,
+            dflash_config=dflash,
+        )
+
+
+def read_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint at ``path`` from its ``config.json`` (no weights are read)."""
+    path = Path(path)
+    where = f"{KEY} = {str(path)!r}"
+    if not (path / hf_files.CONFIG).is_file():
+        raise ConfigError(f"{where}: no {hf_files.CONFIG} there (a DFlash checkpoint directory)")
+    try:
+        data = json.loads((path / hf_files.CONFIG).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{where}: unreadable {hf_files.CONFIG} ({err})") from None
+    if data.get("speculators_model_type") is not None:
+        return _speculators(path, data)
+    if "dflash_config" in data:
+        return _zlab(path, data)
+    raise ConfigError(
+        f"{where}: {hf_files.CONFIG} is neither z-lab's (dflash_config) nor speculators' "
+        "(speculators_model_type: dflash) DFlash format"
+    )
+
+
+def _layers(path: Path, fmt: str, raw: dict) -> dict[str, Any]:
+    """The layer geometry of a Hugging Face layer config, refusing what the drafter lacks."""
+    fields = {k: v for k, v in raw.items() if k not in ("dflash_config", "auto_map")}
+    where = f"{KEY} = {str(path)!r} ({fmt})"
+    try:
+        config = AutoConfig.for_model(fields.pop("model_type", "qwen3"), **fields)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{where}: its layer config does not load ({err})") from None
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+                or {})  # fmt: skip
+    unsupported = {
+        "attention_bias": getattr(config, "attention_bias", False),
+        "hidden_act": getattr(config, "hidden_act", "silu"),
+        "rope_type": rope.get("rope_type", rope.get("type", "default")),
+        "layer_types": sorted(set(getattr(config, "layer_types", None) or ["full_attention"])),
+    }
+    allowed = {"attention_bias": False, "hidden_act": "silu", "rope_type": "default",
+               "layer_types": ["full_attention"]}  # fmt: skip
+    for key, value in unsupported.items():
+        if value != allowed[key]:
+            raise ConfigError(
+                f"{where}: {key} = {value!r}, the trainer's drafter has {allowed[key]!r} only"
+            )
+    heads = config.num_attention_heads
+    layers = {
+        "hidden_size": config.hidden_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "intermediate_size": config.intermediate_size,
+        "rms_norm_eps": config.rms_norm_eps,
+        "vocab_size": config.vocab_size,
+        "num_hidden_layers": config.num_hidden_layers,
+    }
+    return layers | {"rope_theta": remote.rope_theta(config)}
+
+
+def _zlab(path: Path, data: dict) -> Checkpoint:
+    dflash = data["dflash_config"] or {}
+    block = data.get("block_size") or dflash.get("block_size")
+    where = f"{KEY} = {str(path)!r} (z-lab)"
+    if block is None or dflash.get("mask_token_id") is None:
+        missing = "block_size" if block is None else "dflash_config.mask_token_id"
+        raise ConfigError(f"{where}: {hf_files.CONFIG} has no {missing}")
+    layers = _layers(path, "z-lab", data)
+    depth = data.get("num_target_layers")
+    ids = dflash.get("target_layer_ids")
+    if ids is None and depth is None:
+        raise ConfigError(f"{where}: names neither dflash_config.target_layer_ids nor "
+                          "num_target_layers to derive them from")  # fmt: skip
+    if ids is None:  # z-lab's reference spreads one tapped layer per drafter layer
+        ids = spread_layer_ids(depth, layers["num_hidden_layers"])
+    return Checkpoint(path, "z-lab", layers, int(block), [int(i) for i in ids],
+                      int(dflash["mask_token_id"]), dflash.get("mask_token"), depth)  # fmt: skip
+
+
+def _speculators(path: Path, data: dict) -> Checkpoint:
+    where = f"{KEY} = {str(path)!r} (speculators)"
+    kind = data.get("speculators_model_type")
+    if kind != SPECULATORS_TYPE:
+        raise ConfigError(f"{where}: speculators_model_type = {kind!r}, not {SPECULATORS_TYPE!r}")
+    layers = _layers(path, "speculators", data.get("transformer_layer_config") or {})
+    variants = {
+        "projector_type": (data.get("projector_type", "dflash"), "dflash"),
+        "sample_from_anchor": (bool(data.get("sample_from_anchor")), False),
+        "shift_label": (bool(data.get("shift_label")), False),
+        "draft_vocab_size": (data.get("draft_vocab_size", layers["vocab_size"]),
+                             layers["vocab_size"]),
+    }  # fmt: skip
+    for key, (value, plain) in variants.items():
+        if value != plain:
+            raise ConfigError(
+                f"{where}: {key} = {value!r}; the DFlash drafter trained here has {plain!r} "
+                "(the target's whole vocabulary, no shift)"
+            )
+    aux, mask = data.get("aux_hidden_state_layer_ids"), data.get("mask_token_id")
+    if not aux or mask is None:
+        missing = "aux_hidden_state_layer_ids" if not aux else "mask_token_id"
+        raise ConfigError(f"{where}: {hf_files.CONFIG} has no {missing}")
+    if min(aux) < 1:
+        raise ConfigError(f"{where}: aux_hidden_state_layer_ids {aux} tap the embedding (id 0), "
+                          "which a DFlash drafter never fuses")  # fmt: skip
+    block = int(data.get("block_size") or SPECULATORS_DEFAULT_BLOCK)
+    ids = [int(a) - 1 for a in aux]  # counted from the embedding, as vLLM counts
+    return Checkpoint(path, "speculators", layers, block, ids, int(mask), None, None)
+
+
+def weight_files(checkpoint: Checkpoint) -> list[Path]:
+    """The safetensors files of a checkpoint: one, or those its index names."""
+    single, index = checkpoint.path / hf_files.WEIGHTS, checkpoint.path / hf_files.WEIGHTS_INDEX
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [checkpoint.path / name for name in names]
+    raise checkpoint.fail(f"no {hf_files.WEIGHTS} or {hf_files.WEIGHTS_INDEX} there")
+
+
+def _drafter_name(name: str) -> bool:
+    return name not in TARGET_OWNED and name not in VOCAB_MAPS
+
+
+def check_weights(checkpoint: Checkpoint, depth: int) -> None:
+    """Every drafter weight present with its shape, and no other (reads headers only)."""
+    shapes = {}
+    for file in weight_files(checkpoint):
+        with safe_open(str(file), "pt") as f:
+            shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if _drafter_name(k)}
+    with torch.device("meta"):
+        model = remote.DFlashDraftModel(checkpoint.drafter_config(depth, None))
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    wrong = [f"{k} {shapes[k]} (expected {expected[k]})" for k in expected.keys() & shapes.keys()
+             if shapes[k] != expected[k]]  # fmt: skip
+    for what, names in (("lacks", missing), ("has unknown weights", extra), ("has", wrong)):
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            raise checkpoint.fail(f"its weights do not fit its {hf_files.CONFIG}: {what} {shown}")
+
+
+def checkpoint_weights(checkpoint: Checkpoint) -> dict[str, Tensor]:
+    """The drafter's own weights, as stored (the target's copies, if any, are left out)."""
+    weights = {}
+    for file in weight_files(checkpoint):
+        with safe_open(str(file), "pt") as f:
+            weights |= {k: f.get_tensor(k) for k in f.keys() if _drafter_name(k)}
+    return weights

@@ -1,0 +1,77 @@
+"""Training from a checkpoint through the stage: it starts where the checkpoint's run ended, and
+a checkpoint made for another target or other params stops the run before any training."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_stages, tiny_qwen3
+
+from dflash import cli
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.export import export_drafter
+
+SHORT = ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1000",
+         "batching.token_budget=1536", "batching.max_batch_size=32"]  # fmt: skip
+"""One rank, one epoch of a few large steps: seconds on two CPU cores."""
+
+
+def losses(workspace: Path) -> list[float]:
+    return [float(row["loss"]) for row in csv.DictReader(open(workspace / "plots/train/log.csv"))]
+
+
+@pytest.mark.slow
+def test_fine_tuning_an_export_starts_where_its_run_ended(tiny_workspace):
+    run_stages(tiny_workspace, ["plan", "train"], SHORT)
+    scratch = losses(tiny_workspace)
+    shutil.copytree(tiny_workspace / "models/drafter", tiny_workspace / "models/init/first")
+    run_stages(tiny_workspace, ["train"], [*SHORT, "drafter.init_from=models/init/first"])
+    tuned = losses(tiny_workspace)
+    learned = scratch[0] - scratch[-1]
+    assert learned > 0.5
+    assert abs(tuned[0] - scratch[-1]) < 0.2 * learned  # where the first run ended
+    assert tuned[-1] < tuned[0]
+    details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
+    assert details["drafter_sources"]["init_from"] == "models/init/first (z-lab)"
+    assert details["drafter_sources"]["num_hidden_layers"] == "1 (params = checkpoint)"
+
+
+def test_a_checkpoint_for_another_target_exits_2_before_training(
+    tiny_workspace, monkeypatch, capsys
+):
+    other = tiny_qwen3(vocab_size=300)
+    drafter = DFlashDrafter.from_target(
+        other, block_size=4, num_hidden_layers=1, num_target_features=2, mask_token_id=3
+    )
+    export_drafter(drafter, tiny_workspace / "models/init/other", other.config, torch.float32)
+    monkeypatch.chdir(tiny_workspace)
+    init = "drafter.init_from=models/init/other"
+    for sets, named in (
+        ([init], "vocabulary 300, the target's is"),
+        ([init, "drafter.num_hidden_layers=2"], "drafter.num_hidden_layers = 2 but the"),
+    ):
+        assert cli.main(["train", *(a for s in sets for a in ("--set", s))]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "Traceback" not in err
+    assert not list((tiny_workspace / "checkpoints").glob("step_*"))
+
+
+def test_another_checkpoint_never_resumes_this_ones_training(tiny_workspace, monkeypatch):
+    from dflash.params import load_config
+    from dflash.stages.train import fingerprint
+
+    monkeypatch.chdir(tiny_workspace)
+    init = tiny_workspace / "models/init/first"
+    init.mkdir(parents=True)
+    (init / "config.json").write_text("{}")
+    config = load_config("params.yaml", ["drafter.init_from=models/init/first"])
+    before = fingerprint(config)
+    assert fingerprint(config) == before
+    assert fingerprint(load_config("params.yaml")) != before
+    (init / "config.json").write_text("{ }")
+    assert fingerprint(config) != before
