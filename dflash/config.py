@@ -183,6 +183,10 @@ class BatchingConfig(Section):
 class TrainConfig(Section):
     epochs: Int = Field(6, ge=1)
     """Passes over the training samples."""
+    max_steps: Int | None = Field(None, ge=0)
+    """Stop after this many optimizer steps of the run (null: every planned step): a pilot,
+    the start of the full run with its learning-rate schedule, exported and measured as a
+    finished run; 0 exports the drafter as initialised."""
     world_size: Int = Field(2, ge=1)
     """Training processes; the plans are made for this many ranks."""
     grad_accum: Int = Field(1, ge=1)

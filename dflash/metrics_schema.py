@@ -239,9 +239,16 @@ class TrainDetails(Metrics):
     final_simulated_tau: float
     flex_compiles: int
     grad_norm_cv: float | None
+    loss_length_corr: float | None
+    """Spearman correlation of the finite steps' losses with their mean sample lengths."""
     loss_spikes: int
     padded_tokens_per_s: float
     padding_efficiency: float
+    planned_steps: int
+    """Optimizer steps of the full run; ``steps`` is fewer in a pilot (``train.max_steps``)."""
+    projected_hours: float | None
+    """The full run's hours at the measured tokens/s: every epoch's real tokens of the plan
+    over ``tokens_per_s``, on the plan's ranks (None when no step was timed)."""
     simulated_tau_cost: float
     skipped_steps: int
     steps: int
@@ -356,6 +363,7 @@ class TrainHeadline(Metrics):
     final_loss: float
     loss_spikes: int
     grad_norm_cv: float | None
+    loss_length_corr: float | None
     target_idle_fraction: float
     drafter_wait_fraction: float
 

@@ -47,6 +47,8 @@ def train_files(workspace: Workspace) -> TrainFiles:
         details=w.train_details,
         log=w.train_log,
         live=w.train_live,
+        steps=w.train_steps,
+        buckets=w.stats_buckets,
     )
 
 

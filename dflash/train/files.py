@@ -29,6 +29,10 @@ class TrainFiles:
     """The training curves as CSV, rewritten at every log row."""
     live: Path
     """DVCLive's directory."""
+    steps: Path | None = None
+    """Every finite step's loss and mean sample length, as CSV, written at the end."""
+    buckets: Path | None = None
+    """The stats stage's ``buckets.json``: the length classes the loss is plotted by."""
 
 
 @dataclass(frozen=True)
