@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from dflash import logs
 from dflash.config import Config
@@ -41,6 +42,12 @@ HELP = {
     "report": "print one screen of every stage's figures, with warnings that say what to change",
 }
 """What each command does, for ``--help``."""
+COMPARE_HELP = (
+    "paired differences in tau and training figures between DVC experiments or revisions, "
+    "with bootstrap intervals"
+)
+"""``dflash compare`` reads runs from git, not params: no stage and no ``dvc.yaml`` entry."""
+COMPARE = "dflash.compare.command"
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -90,7 +97,22 @@ def main(argv: list[str] | None = None) -> int:
     for name in stages():
         summary = HELP.get(name, f"run the {name} stage")
         add_config_args(sub.add_parser(name, help=summary, description=summary))
-    return _run(None, parser.parse_args(argv))
+    add_compare_args(sub.add_parser("compare", help=COMPARE_HELP, description=COMPARE_HELP))
+    args = parser.parse_args(argv)
+    if args.stage == "compare":  # by name, like report: no stage's code depends on it
+        return importlib.import_module(COMPARE).run(args, Path("."))
+    return _run(None, args)
+
+
+def add_compare_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "runs",
+        nargs="*",
+        metavar="EXP",
+        help="experiment names or git revisions, the first the reference; none: the "
+        "workspace against HEAD; one: that experiment against the commit it was run from",
+    )
+    parser.add_argument("--json", action="store_true", help="the same figures as JSON")
 
 
 def _run(stage: str | None, args: argparse.Namespace) -> int:

@@ -218,6 +218,7 @@ def test_help_says_what_every_command_does_and_names_publish(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "python -m dflash.publish DIR" in text and "report stage" not in text
     assert all(" ".join(cli.HELP[name].split()) in text for name in cli.HELP)
+    assert " ".join(cli.COMPARE_HELP.split()) in text
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     assert "export it with its model card" in " ".join(capsys.readouterr().out.split())

@@ -13,6 +13,7 @@ from test_metrics_schema import DATA_FILES, RUN_FILES, assert_files_round_trip
 from dflash.data.tokenizer import load_tokenizer
 from dflash.eval.metrics import summarize_method
 from dflash.eval.prompts import Prompt, read_prompt_file, render_prompts
+from dflash.eval.records import read_records
 from dflash.eval.strata import groups, strata
 from dflash.model.generate import GenerateOutput, greedy_generate, speculative_generate
 from dflash.publish import main as publish_main
@@ -178,6 +179,12 @@ def test_evaluate_scores_every_set_with_strata(tiny_workspace):
     rows = list(csv.DictReader(open(tiny_workspace / "plots/eval/strata.csv")))
     assert rows[0]["label"] == "heldout all"
     assert "questions mode:other" in [r["label"] for r in rows]
+    records = read_records((tiny_workspace / "metrics/eval_prompts.csv").read_text())
+    asked = [r for r in records if r["set"] == "questions"]
+    assert len(records) == 15 and [r["prompt"] for r in asked] == list(range(12))
+    taus = [r["tau"] for r in asked if r["tau"] is not None]
+    assert sum(taus) / len(taus) == pytest.approx(questions["acceptance_length"])
+    assert sum("tools:with" in r["strata"] for r in asked) == 2
     report = render_report(tiny_workspace)
     assert "scorecard" in report and "questions   mode:plain" in report
     live = json.loads((tiny_workspace / "dvclive/evaluate/metrics.json").read_text())
