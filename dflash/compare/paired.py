@@ -4,7 +4,7 @@ Most of τ's spread is between prompts: a long, repetitive answer accepts more t
 one under any drafter. Two runs scored on the same prompts are compared prompt by prompt, so
 that spread cancels, and prompts are resampled with both runs of each prompt together.
 
-Runs whose params differ only in their seeds (:data:`SEED_KEYS`) are replicates of one
+Runs whose params differ only in their seed params (:data:`SEED_KEYS`) are replicates of one
 setting. A group of replicates scores each prompt by its mean over the replicates, and the
 bootstrap also resamples the replicates, so the interval holds the spread over seeds too.
 A difference is *resolved* when its 95% interval excludes zero.
@@ -38,7 +38,7 @@ def setting(run: Run) -> tuple:
 
 
 def pool(runs: list[Run]) -> list[list[Run]]:
-    """Runs grouped by their params without the seeds, in the order first named."""
+    """Runs grouped by their params but for :data:`SEED_KEYS`, in the order first named."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
         groups.setdefault(setting(run), []).append(run)
