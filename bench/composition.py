@@ -36,16 +36,18 @@ from dflash.data.tokenizer import tokenizer_hash
 from dflash.model.pretrain import build_tiny_target
 from dflash.params import load_config
 
-SMALLEST_VOCAB = 8
-"""Distinct tokens of the shortest samples; the longest draw from the whole vocabulary."""
+SMALLEST_VOCAB, LARGEST_VOCAB = 2, 256
+"""Distinct tokens of the shortest and of the longest samples: small enough that a drafter
+learns the ids' frequencies within a pilot, so the loss follows the length from the start."""
 FIGURES = ("loss_length_corr", "loss_spikes", "grad_norm_cv", "final_loss", "padding_efficiency")
 
 
-def mixed_tokens(lengths: np.ndarray, vocab: int, first: int, seed: int = 0) -> np.ndarray:
-    """Each sample's tokens drawn from the ``first`` + k ids, k growing with its length."""
+def mixed_tokens(lengths: np.ndarray, first: int, seed: int = 0) -> np.ndarray:
+    """Each sample's tokens drawn from ids ``first`` to ``first + k``, k growing geometrically
+    with its length."""
     rng = np.random.default_rng(seed)
     share = (lengths - lengths.min()) / max(lengths.max() - lengths.min(), 1)
-    sizes = (SMALLEST_VOCAB + share * (vocab - first - SMALLEST_VOCAB)).astype(int)
+    sizes = np.rint(SMALLEST_VOCAB * (LARGEST_VOCAB / SMALLEST_VOCAB) ** share).astype(int)
     return np.concatenate(
         [first + rng.integers(0, k, n) for n, k in zip(lengths, sizes, strict=True)]
     )
@@ -69,7 +71,7 @@ def build(work: Path, args: argparse.Namespace) -> list[str]:
     build_tiny_target(config.target, tokenizer, args.max_len).save_pretrained(str(work / WS.target))
     lengths = longtail_lengths(args.samples, 4 * config.drafter.block_size, args.max_len)
     first = len(tokenizer.all_special_ids)
-    tokens = mixed_tokens(lengths, len(tokenizer), first)
+    tokens = mixed_tokens(lengths, first)
     mask = np.concatenate([np.arange(n) >= n // 2 for n in lengths]).astype(np.uint8)
     writer = TokenStoreWriter(work / WS.tokenized)
     writer.extend(
@@ -84,7 +86,7 @@ def build(work: Path, args: argparse.Namespace) -> list[str]:
     write_heldout(work / WS.heldout, config.tokenizer.vocab_size)
     print(
         f"{len(lengths)} samples, mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, "
-        f"max {lengths.max()} tokens; vocabulary {SMALLEST_VOCAB} to {len(tokenizer) - first}",
+        f"max {lengths.max()} tokens; vocabulary {SMALLEST_VOCAB} to {LARGEST_VOCAB} ids",
         flush=True,
     )
     dflash_cli("stats", sets, work)

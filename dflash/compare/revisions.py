@@ -50,7 +50,8 @@ def git(root: Path, *args: str) -> str | None:
 def resolve(root: Path, name: str) -> str:
     """The commit of an experiment (the one of the current baseline first) or a revision."""
     refs = git(root, "for-each-ref", "--format=%(objectname) %(refname)", "refs/exps") or ""
-    found = [line.split() for line in refs.splitlines() if line.rsplit("/", 1)[-1] == name]
+    experiments = [line.split() for line in refs.splitlines() if line.count("/") == 4]
+    found = [(sha, ref) for sha, ref in experiments if ref.rsplit("/", 1)[-1] == name]
     head = (git(root, "rev-parse", "HEAD") or "").strip()
     here = [sha for sha, ref in found if head and f"/{head[:2]}/{head[2:]}/" in ref]
     if here or len(found) == 1:
