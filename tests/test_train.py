@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -161,6 +162,7 @@ def test_max_steps_zero_exports_the_drafter_as_initialised(tiny_workspace):
     run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.max_steps=0"])
     details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
     assert details["steps"] == 0 and details["projected_hours"] is None
+    assert math.isnan(details["final_loss"])  # no step: no loss, rather than a perfect one
     target = load_target(tiny_workspace / "models/target")
     exported = DFlashDrafter.from_pretrained(tiny_workspace / "models/drafter", target)
     initial = untrained_drafter(exported, target, seed=0).state_dict()

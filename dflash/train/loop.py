@@ -376,7 +376,8 @@ class Trainer:
         s = self.state
         last_epoch = max((e for e, _, _ in s.epoch_loss), default=0)
         last = [(loss, w) for e, loss, w in s.epoch_loss if e == last_epoch]
-        final_loss = sum(loss * w for loss, w in last) / max(sum(w for _, w in last), 1e-12)
+        weight = sum(w for _, w in last)
+        final_loss = sum(loss * w for loss, w in last) / weight if weight else float("nan")
         rows = s.rows
         last_row = rows[-1] if rows else {}
         tau_seconds = self.simulated.seconds if self.simulated else 0.0
