@@ -6,16 +6,17 @@ a random target of the default shape, and a synthetic token store of long-tailed
 a sample draws its tokens from a vocabulary that grows with its length, so long samples are
 harder to predict than short ones, as long chats are harder than greetings. Each strategy
 trains ``--epochs`` on the same store; per strategy it prints ``loss_length_corr`` (Spearman
-of step loss against step mean sample length), the loss spikes, the grad-norm CV and the
-final loss, each the median over ``--runs``.
+of step loss against step mean sample length), how far apart the steps' mean lengths are,
+the loss spikes, the grad-norm CV and the final loss, each the median over ``--runs``.
 
     python bench/composition.py [--samples 800] [--max-len 512] [--epochs 1] [--runs 1]
-        [--strategies sorted,shuffle,bucketed,packed]
+        [--token-budget 2048] [--strategies sorted,shuffle,bucketed,packed]
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 import tempfile
@@ -39,7 +40,9 @@ from dflash.params import load_config
 SMALLEST_VOCAB, LARGEST_VOCAB = 2, 256
 """Distinct tokens of the shortest and of the longest samples: small enough that a drafter
 learns the ids' frequencies within a pilot, so the loss follows the length from the start."""
-FIGURES = ("loss_length_corr", "loss_spikes", "grad_norm_cv", "final_loss", "padding_efficiency")
+FIGURES = ("loss_length_corr", "length_cv", "loss_spikes", "grad_norm_cv", "final_loss")
+"""``length_cv``: the coefficient of variation of the steps' mean sample lengths, how far
+apart the steps' lengths are (``plots/train/steps.csv``)."""
 
 
 def mixed_tokens(lengths: np.ndarray, first: int, seed: int = 0) -> np.ndarray:
@@ -58,7 +61,7 @@ def build(work: Path, args: argparse.Namespace) -> list[str]:
     every run gets."""
     sets = [
         f"data.max_seq_len={args.max_len}",
-        f"batching.token_budget={max(2048, args.max_len)}",
+        f"batching.token_budget={max(args.token_budget, args.max_len)}",
         f"train.epochs={args.epochs}",
         "train.world_size=1",
         "logging.wandb=disabled",
@@ -103,7 +106,9 @@ def train(strategy: str, sets: list[str], source: Path) -> dict:
         run_sets = [*sets, f"batching.strategy={strategy}"]
         dflash_cli("plan", run_sets, work)
         dflash_cli("train", run_sets, work)
-        return json.loads((work / WS.train_details).read_text())
+        lengths = [float(r["mean_length"]) for r in csv.DictReader(open(work / WS.train_steps))]
+        spread = {"length_cv": float(np.std(lengths) / np.mean(lengths))}
+        return json.loads((work / WS.train_details).read_text()) | spread
 
 
 def main() -> None:
@@ -111,6 +116,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=800)
     parser.add_argument("--max-len", type=int, default=512)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--token-budget", type=int, default=2048, help="tokens per micro-batch")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--strategies", default="sorted,shuffle,bucketed,packed")
     args = parser.parse_args()
