@@ -247,8 +247,9 @@ class TrainDetails(Metrics):
     planned_steps: int
     """Optimizer steps of the full run; ``steps`` is fewer in a pilot (``train.max_steps``)."""
     projected_hours: float | None
-    """The full run's hours at the measured tokens/s: every epoch's real tokens of the plan
-    over ``tokens_per_s``, on the plan's ranks (None when no step was timed)."""
+    """The full run's hours on the plan's ranks: the seconds trained, plus the plan's
+    remaining real tokens at the rate of the later half of the steps past warm-up (None
+    when no step ran)."""
     simulated_tau_cost: float
     skipped_steps: int
     steps: int

@@ -19,9 +19,13 @@ def test_a_pilot_runs_the_first_max_steps_of_the_run_across_epochs():
     assert epoch_limits([4, 4], 99) == [4, 4]
 
 
-def test_the_projection_is_the_plans_tokens_at_the_measured_rate():
-    assert projected_hours(7200, 1.0) == pytest.approx(2.0)
-    assert projected_hours(7200, 0.0) is None
+def test_the_projection_adds_the_remaining_tokens_at_the_later_steps_rate():
+    timed = [(4.0, 100), (2.0, 100), (1.0, 100), (1.0, 100)]  # the first steps run slower
+    # 8 s so far, 400 of 2,000 tokens done; the rest at the later half's 100 tokens/s.
+    assert projected_hours(2000, 400, 8.0, timed) * 3600 == pytest.approx(8.0 + 16.0)
+    assert projected_hours(400, 400, 8.0, timed) * 3600 == pytest.approx(8.0)  # a full run
+    assert projected_hours(2000, 100, 2.0, []) * 3600 == pytest.approx(40.0)  # all warm-up
+    assert projected_hours(2000, 0, 0.0, []) is None
 
 
 def test_spearman_ranks_ties_and_refuses_what_means_nothing():

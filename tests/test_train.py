@@ -143,8 +143,7 @@ def test_a_pilot_stops_at_max_steps_on_the_full_runs_schedule(tiny_workspace):
     details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
     plan = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
     assert details["steps"] == 3 and details["planned_steps"] == plan["n_steps"] > 6
-    hours = plan["real_tokens"] / details["tokens_per_s"] / 3600
-    assert details["projected_hours"] == pytest.approx(hours)
+    assert details["projected_hours"] * 3600 > details["train_seconds"] > 0
     assert "loss_length_corr" in json.loads((tiny_workspace / "metrics/train.json").read_text())
     rows = list(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))
     # The full run's cosine: three steps in, the rate has barely left its peak of 3e-3.

@@ -102,6 +102,8 @@ class Trainer:
         epochs = self.plan_meta["epochs"][: config.train.epochs]
         self.plan_tokens = sum(e["real_tokens"] for e in epochs)
         self.length_classes = length_classes(files.buckets)
+        self.timed: list[tuple[float, int]] = []
+        """``(seconds, real tokens)`` of this process's steps past warm-up: the projection."""
 
         self.target = self._load_target()
         tokenizer = load_tokenizer(files.tokenizer)
@@ -329,6 +331,7 @@ class Trainer:
         s.real_tokens += result["real_tokens"]
         s.padded_tokens += result["padded_tokens"]
         if timed:
+            self.timed.append((seconds, result["real_tokens"]))
             s.timed_s += seconds
             s.timed_real_tokens += result["real_tokens"]
             s.timed_padded_tokens += result["padded_tokens"]
@@ -387,7 +390,9 @@ class Trainer:
             "final_simulated_tau": last_row.get("simulated_tau", float("nan")),
             "simulated_tau_cost": tau_seconds / max(s.elapsed_s, 1e-9),
             **throughput(s),
-            "projected_hours": projected_hours(self.plan_tokens, throughput(s)["tokens_per_s"]),
+            "projected_hours": projected_hours(
+                self.plan_tokens, s.real_tokens, s.elapsed_s, self.timed
+            ),
             "padding_efficiency": s.real_tokens / max(s.padded_tokens, 1),
             "data_wait_fraction": s.data_wait_s / max(s.elapsed_s, 1e-9),
             "steps": s.global_step,

@@ -22,9 +22,19 @@ def epoch_limits(epoch_steps: list[int], max_steps: int | None) -> list[int]:
     return out
 
 
-def projected_hours(plan_tokens: int, tokens_per_s: float) -> float | None:
-    """Hours the full run takes at the measured rate: every epoch's real tokens of the plan
-    over the real tokens per second past warm-up, on the plan's ranks (None unmeasured)."""
-    if not tokens_per_s > 0:
+def projected_hours(
+    plan_tokens: int, done_tokens: int, elapsed_s: float, timed: list[tuple[float, int]]
+) -> float | None:
+    """Hours the full run takes: the seconds trained so far, plus the plan's remaining real
+    tokens (every epoch's) at the rate of the later half of this process's steps past
+    warm-up. The early steps are left out because they run slower than the rest (kernels
+    for each new batch shape, the allocator's cache), which a short pilot would project
+    over the whole run. A finished full run projects its own time; None when unmeasured."""
+    late = timed[len(timed) // 2 :]
+    seconds, tokens = sum(s for s, _ in late), sum(n for _, n in late)
+    if not late:
+        seconds, tokens = elapsed_s, done_tokens
+    if not (seconds > 0 and tokens > 0):
         return None
-    return plan_tokens / tokens_per_s / SECONDS_PER_HOUR
+    left = max(plan_tokens - done_tokens, 0)
+    return (elapsed_s + left * seconds / tokens) / SECONDS_PER_HOUR
