@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash.compare.revisions import Run
+from dflash.eval.strata import GROUPS, KINDS
 
 SEED_KEYS = ("train.seed", "batching.seed")
 """The params whose runs are replicates: the drafter's initialisation, anchor draws and the
@@ -105,13 +106,23 @@ def paired_keys(groups: list[list[Run]]) -> list[tuple]:
 
 
 def strata_of(run: Run, keys: list[tuple]) -> dict[tuple[str, str], list[int]]:
-    """Positions in ``keys`` per (set, stratum), ``all`` first, as the first run labels them."""
+    """Positions in ``keys`` per (set, stratum) as the first run labels them, in the
+    scorecard's order: ``all`` first, then by kind and group (:mod:`dflash.eval.strata`)."""
     labels = {(r["set"], r["prompt"], r["digest"]): r["strata"] for r in run.records}
     out: dict[tuple[str, str], list[int]] = {}
     for i, key in enumerate(keys):
         for stratum in ["all", *labels[key]]:
             out.setdefault((key[0], stratum), []).append(i)
-    return out
+    sets = list(dict.fromkeys(key[0] for key in keys))
+    return dict(sorted(out.items(), key=lambda item: (sets.index(item[0][0]), order(item[0][1]))))
+
+
+def order(stratum: str) -> tuple[int, int, str]:
+    kind, _, group = stratum.partition(":")
+    if stratum == "all":
+        return (-1, 0, "")
+    known = KINDS.index(kind) if kind in KINDS else len(KINDS)
+    return (known, GROUPS.index(group) if group in GROUPS else len(GROUPS), group)
 
 
 def tau_rows(first: list[Run], this: list[Run]) -> list[Row]:

@@ -11,7 +11,7 @@ from dflash.compare.revisions import Run
 WIDTH = 100
 LABEL = 26
 FORMATS = {"tau": ".2f", "tokens/s": ",.0f", "padding eff.": ".3f", "final loss": ".3f",
-           "projected h": ".3f", "loss~length": ".2f"}  # fmt: skip
+           "projected h": ".3g", "loss~length": ".2f"}  # fmt: skip
 RELATIVE = ("tokens/s", "projected h")
 """Figures whose difference is also shown as a share of the first group's."""
 HEADER = f"  {'figure':<{LABEL}}{'n':>4}  {'first':<18}{'this':<18}{'Δ':>12}  95% interval"
