@@ -39,11 +39,12 @@ def line(row: Row) -> str:
     delta = number(row.delta, spec, signed=True)
     if row.figure in RELATIVE and row.delta is not None and row.first:
         delta += f" ({row.delta / row.first:+.0%})"
+    delta += "*" if row.resolved else " "
     ci = "" if row.ci is None else "[{}, {}]".format(*(number(v, spec, True) for v in row.ci))
     first = with_interval(row.first, row.first_ci, spec)
     this = with_interval(row.this, row.this_ci, spec)
     cells = f"  {label[:LABEL]:<{LABEL}}{row.n:>4}  {first:<18}{this:<18}{delta:>12}  {ci}"
-    return (cells + (" *" if row.resolved else "")).rstrip()[:WIDTH]
+    return cells.rstrip()[:WIDTH]
 
 
 def render(first: list[Run], comparisons: list[tuple[list[Run], list[Row]]]) -> str:
@@ -56,7 +57,7 @@ def render(first: list[Run], comparisons: list[tuple[list[Run], list[Row]]]) -> 
     out += [
         "",
         "n: prompts paired (τ) or runs a side; [ ]: 95% bootstrap interval over prompts, and",
-        "over seeds where runs differing only in seeds are pooled; * the interval excludes 0",
+        "over seeds where runs differing only in seeds are pooled; Δ* its interval excludes 0",
     ]
     return "\n".join(out) + "\n"
 
