@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Which strategy trains best, averaged over seeds: queue every batching strategy (those
-# dflash.batching.choices lists, plug-ins included) over several seeds as DVC experiments,
-# run the queue, then print mean ± std per strategy.
+# dflash.batching.choices lists, plug-ins included) over several seeds as DVC experiments, run
+# the queue, then print mean ± std per strategy and `dflash compare` of every strategy against
+# bucketed, its seeds pooled (paired intervals over prompts and seeds).
 #
 #   bench/sweep.sh [SEEDS...]        # default seeds: 0 1 2 (4 strategies x 3 seeds = 12 runs)
 #
@@ -27,3 +28,8 @@ while status=$(dvc queue status) && grep -qE 'Queued|Running' <<<"$status"; do
 done
 dvc exp show --json --rev "$base" > sweep.json
 python bench/sweep_table.py --json sweep.json
+names=()
+for s in bucketed sorted shuffle packed; do
+  for k in "${seeds[@]}"; do names+=("sweep-$s-$k"); done
+done
+dflash compare "${names[@]}"

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 from contextlib import nullcontext
+from pathlib import Path
 
 from dflash import logs, provenance
 from dflash.config import Config
@@ -47,6 +48,12 @@ HELP = {
 OPTIONS = {"clean": "dflash.clean"}
 """Commands with options of their own: the module's ``add_arguments`` adds them, and its
 ``run`` takes the parsed options as a third argument."""
+COMPARE_HELP = (
+    "paired differences in tau and training figures between DVC experiments or revisions, "
+    "with bootstrap intervals"
+)
+"""``dflash compare`` reads runs from git, not params: no stage and no ``dvc.yaml`` entry."""
+COMPARE = "dflash.compare.command"
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +126,22 @@ def main(argv: list[str] | None = None) -> int:
         add_config_args(command)
         if name in OPTIONS:
             importlib.import_module(OPTIONS[name]).add_arguments(command)
-    return _run(None, parser.parse_args(argv))
+    add_compare_args(sub.add_parser("compare", help=COMPARE_HELP, description=COMPARE_HELP))
+    args = parser.parse_args(argv)
+    if args.stage == "compare":  # by name, like report: no stage's code depends on it
+        return importlib.import_module(COMPARE).run(args, Path("."))
+    return _run(None, args)
+
+
+def add_compare_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "runs",
+        nargs="*",
+        metavar="EXP",
+        help="experiment names or git revisions, the first the reference; none: the "
+        "workspace against HEAD; one: that experiment against the commit it was run from",
+    )
+    parser.add_argument("--json", action="store_true", help="the same figures as JSON")
 
 
 def _run(stage: str | None, args: argparse.Namespace) -> int:

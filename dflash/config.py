@@ -212,6 +212,10 @@ MAX_RANKS = 65_536
 class TrainConfig(Section):
     epochs: int_at_most(MAX_EPOCHS) = Field(6, ge=1)
     """Passes over the training samples."""
+    max_steps: Int | None = Field(None, ge=0)
+    """Stop after this many optimizer steps of the run (null: every planned step): a pilot,
+    the start of the full run with its learning-rate schedule, exported and measured as a
+    finished run; 0 exports the drafter as initialised."""
     world_size: int_at_most(MAX_RANKS) = Field(2, ge=1)
     """Training processes; the plans are made for this many ranks."""
     grad_accum: Int = Field(1, ge=1)

@@ -242,9 +242,17 @@ class TrainDetails(Metrics):
     final_simulated_tau: float
     flex_compiles: int
     grad_norm_cv: float | None
+    loss_length_corr: float | None
+    """Spearman correlation of the finite steps' losses with their mean sample lengths."""
     loss_spikes: int
     padded_tokens_per_s: float
     padding_efficiency: float
+    planned_steps: int
+    """Optimizer steps of the full run; ``steps`` is fewer in a pilot (``train.max_steps``)."""
+    projected_hours: float | None
+    """The full run's hours on the plan's ranks: the seconds trained, plus the plan's
+    remaining real tokens at the rate of the later half of the steps past warm-up (None
+    when no step ran)."""
     simulated_tau_cost: float
     skipped_steps: int
     steps: int
@@ -359,6 +367,7 @@ class TrainHeadline(Metrics):
     final_loss: float
     loss_spikes: int
     grad_norm_cv: float | None
+    loss_length_corr: float | None
     target_idle_fraction: float
     drafter_wait_fraction: float
 

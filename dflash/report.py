@@ -137,7 +137,9 @@ TRAINING: list[list[Cell]] = [
      ("skipped steps", "skipped_steps", ",")],
     [("data wait", "data_wait_fraction", ".1%"), ("world size", "world_size", ","),
      ("seconds", "train_seconds", ",.0f")],
-    [("loss spikes", "loss_spikes", ","), ("grad-norm CV", "grad_norm_cv", ".2f")],
+    [("loss spikes", "loss_spikes", ","), ("grad-norm CV", "grad_norm_cv", ".2f"),
+     ("loss~length", "loss_length_corr", ".2f")],
+    [("planned steps", "planned_steps", ","), ("projected h", "projected_hours", ".2f")],
 ]  # fmt: skip
 EVALUATION: list[list[Cell]] = [
     [("tau/response", "acceptance_length", ".2f"), ("tau 95% CI", "ci", "s"),

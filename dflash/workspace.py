@@ -66,6 +66,9 @@ class Workspace:
     tokenize_report = _at("data/tokenized/tokenize_report.json")
 
     stats = _at("data/stats", "Length statistics (:mod:`dflash.batching.length_stats`).")
+    stats_buckets = _at(
+        "data/stats/buckets.json", "Bucket edges by every method; training's length classes."
+    )
     plans = _at("data/plans", "Every epoch's plan (:mod:`dflash.batching.io`).")
     plan_metrics = _at(
         "metrics/plan.json",
@@ -96,6 +99,9 @@ class Workspace:
     )
     train_details = _at("metrics/train_details.json")
     train_log = _at("plots/train/log.csv")
+    train_steps = _at(
+        "plots/train/steps.csv", "Each finite step's loss beside its mean sample length."
+    )
     train_live = _at(
         "dvclive/train",
         "DVCLive's copy of the training curves and summary, written at every log row (rank 0).",
@@ -110,5 +116,9 @@ class Workspace:
     eval_strata = _at(
         "plots/eval/strata.csv",
         "τ per prompt set and stratum (``all`` first), with the interval and the n-gram baseline.",
+    )
+    eval_prompts = _at(
+        "metrics/eval_prompts.csv",
+        "τ of each scored prompt, its set, strata and token digest (:mod:`dflash.eval.records`).",
     )
     eval_live = _at("dvclive/evaluate")

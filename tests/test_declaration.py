@@ -49,6 +49,19 @@ def test_params_and_knobs_name_real_params_and_never_overlap(name):
             node = getattr(node, part)
 
 
+@pytest.mark.parametrize("name", PIPELINE)
+def test_params_yaml_holds_every_declared_param(name):
+    """DVC refuses to run a stage whose declared param is missing from params.yaml."""
+    import yaml
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for key in stages()[name].params:
+        node = params
+        for part in key.split("."):
+            assert isinstance(node, dict) and part in node, f"{name}: params.yaml has no {key}"
+            node = node[part]
+
+
 def test_train_declares_only_what_changes_its_outputs():
     params = stages()["train"].params
     for knob in ("train.checkpoint_every", "train.num_workers", "train.prefetch", "logging"):
@@ -219,6 +232,7 @@ def test_help_says_what_every_command_does_and_names_publish(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "python -m dflash.publish DIR" in text and "report stage" not in text
     assert all(" ".join(cli.HELP[name].split()) in text for name in cli.HELP)
+    assert " ".join(cli.COMPARE_HELP.split()) in text
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     assert "export it with its model card" in " ".join(capsys.readouterr().out.split())

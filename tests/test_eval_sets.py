@@ -13,6 +13,7 @@ from test_metrics_schema import DATA_FILES, RUN_FILES, assert_files_round_trip
 from dflash.data.tokenizer import load_tokenizer
 from dflash.eval.metrics import summarize_method
 from dflash.eval.prompts import Prompt, read_prompt_file, render_prompts
+from dflash.eval.records import prompt_records, read_records, records_csv
 from dflash.eval.strata import groups, strata
 from dflash.model.generate import GenerateOutput, greedy_generate, speculative_generate
 from dflash.publish import main as publish_main
@@ -124,6 +125,15 @@ def prompt_set_lines() -> list[str]:
     return [*lines, "{not json", json.dumps({"messages": []}), lines[0]]
 
 
+def test_per_prompt_records_round_trip_with_their_strata_and_tau():
+    prompts = [Prompt([1, 2, 3], "a", False), Prompt([4, 5, 6, 7, 8], "b", True)]
+    methods = {"dflash": [output([2, 4]), GenerateOutput(tokens=[1])], "ngram": [output([1])] * 2}
+    records = read_records(records_csv(prompt_records("qs", prompts, ["a", "b"], methods)))
+    assert [r["tau"] for r in records] == [3.0, None] and records[1]["tokens"] == 1
+    assert records[1]["strata"] == ["mode:b", "tools:with", "length:long"]
+    assert records[0]["digest"] != records[1]["digest"] and records[0]["set"] == "qs"
+
+
 def test_a_prompt_file_counts_what_it_cannot_use_and_scores_questions_at_their_end(
     tmp_path, monkeypatch, tiny_workspace
 ):
@@ -178,6 +188,12 @@ def test_evaluate_scores_every_set_with_strata(tiny_workspace):
     rows = list(csv.DictReader(open(tiny_workspace / "plots/eval/strata.csv")))
     assert rows[0]["label"] == "heldout all"
     assert "questions mode:other" in [r["label"] for r in rows]
+    records = read_records((tiny_workspace / "metrics/eval_prompts.csv").read_text())
+    asked = [r for r in records if r["set"] == "questions"]
+    assert len(records) == 15 and [r["prompt"] for r in asked] == list(range(12))
+    taus = [r["tau"] for r in asked if r["tau"] is not None]
+    assert sum(taus) / len(taus) == pytest.approx(questions["acceptance_length"])
+    assert sum("tools:with" in r["strata"] for r in asked) == 2
     report = render_report(tiny_workspace)
     assert "scorecard" in report and "questions   mode:plain" in report
     live = json.loads((tiny_workspace / "dvclive/evaluate/metrics.json").read_text())

@@ -76,8 +76,9 @@ def test_headline_keeps_the_keys_it_has_nested_and_drops_the_rest():
 TRAIN_DETAILS = {
     "data_wait_fraction": 0.01, "drafter_sha256": "0" * 64, "drafter_wait_fraction": 0.0,
     "epochs": 1, "final_accuracy": 0.5, "final_loss": 2.0, "final_simulated_tau": 1.5,
-    "flex_compiles": 0, "grad_norm_cv": None, "loss_spikes": 0, "padded_tokens_per_s": 6.0,
-    "padding_efficiency": 0.8, "simulated_tau_cost": 0.1, "skipped_steps": 0, "steps": 3,
+    "flex_compiles": 0, "grad_norm_cv": None, "loss_length_corr": 0.2, "loss_spikes": 0,
+    "padded_tokens_per_s": 6.0, "padding_efficiency": 0.8, "planned_steps": 15,
+    "projected_hours": 0.01, "simulated_tau_cost": 0.1, "skipped_steps": 0, "steps": 3,
     "target_idle_fraction": 0.0, "tokens_per_s": 5.0, "train_seconds": 1.0, "world_size": 2,
 }  # fmt: skip
 

@@ -66,6 +66,9 @@ FILES = {
         "train_seconds": 300.0,
         "loss_spikes": 4,
         "grad_norm_cv": 0.4321,
+        "loss_length_corr": 0.12,
+        "planned_steps": 720,
+        "projected_hours": 0.083,
     },
     "metrics/eval_details.json": {
         "acceptance_length": 3.456,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
@@ -134,6 +135,38 @@ def test_single_process_run_writes_metrics_plots_and_drafter(tiny_workspace):
     source = load_config(tiny_workspace / "params.yaml").data.source
     assert f"`{source}` (`data.source`)" in card and f"source: {source}" in card
     assert (tiny_workspace / "models/drafter/dflash.py").is_file()
+
+
+def test_a_pilot_stops_at_max_steps_on_the_full_runs_schedule(tiny_workspace):
+    sets = ["train.world_size=1", "train.epochs=2", "train.max_steps=3", "train.warmup_ratio=0"]
+    run_stages(tiny_workspace, ["plan", "train"], sets)
+    details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
+    plan = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
+    assert details["steps"] == 3 and details["planned_steps"] == plan["n_steps"] > 6
+    assert details["projected_hours"] * 3600 > details["train_seconds"] > 0
+    assert "loss_length_corr" in json.loads((tiny_workspace / "metrics/train.json").read_text())
+    rows = list(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))
+    # The full run's cosine: three steps in, the rate has barely left its peak of 3e-3.
+    assert [int(r["step"]) for r in rows] == [1, 2, 3] and float(rows[-1]["lr"]) > 2.9e-3
+    steps = list(csv.DictReader(open(tiny_workspace / "plots/train/steps.csv")))
+    assert len(steps) == 3 and all(float(r["mean_length"]) > 0 for r in steps)
+    by_class = tiny_workspace / "dvclive/train/plots/metrics/train/loss_by_length"
+    assert any(by_class.iterdir())
+    assert (tiny_workspace / "models/drafter/model.safetensors").is_file()
+
+
+def test_max_steps_zero_exports_the_drafter_as_initialised(tiny_workspace):
+    from dflash.eval.evaluate import untrained_drafter
+
+    run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.max_steps=0"])
+    details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
+    assert details["steps"] == 0 and details["projected_hours"] is None
+    assert math.isnan(details["final_loss"])  # no step: no loss, rather than a perfect one
+    target = load_target(tiny_workspace / "models/target")
+    exported = DFlashDrafter.from_pretrained(tiny_workspace / "models/drafter", target)
+    initial = untrained_drafter(exported, target, seed=0).state_dict()
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, initial[name], atol=0, rtol=0)
 
 
 @pytest.mark.slow

@@ -211,6 +211,15 @@ def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter(p
 
 
 @pytest.mark.slow
+def test_a_decoupled_pilot_stops_its_target_ranks_with_its_drafter_ranks(planned):
+    """Target ranks serve only the pilot's micro-batches: a send too many would never end."""
+    colocated, decoupled = planned
+    finished(decoupled, *DECOUPLED, "train.max_steps=2")
+    assert losses(decoupled) == pytest.approx(losses(colocated)[:2], abs=1e-6, rel=0)
+    assert json.loads((decoupled / WS.train_details).read_text())["steps"] == 2
+
+
+@pytest.mark.slow
 def test_fsdp_drafter_ranks_fed_by_a_target_rank_train_the_colocated_fsdp_drafter(
     tiny_workspace, tmp_path
 ):

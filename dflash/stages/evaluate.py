@@ -20,6 +20,7 @@ from dflash.eval.evaluate import NGRAM_MAX, score, untrained_drafter
 from dflash.eval.ngram import NgramProposer
 from dflash.eval.outputs import eval_headline, live_summary, strata_csv
 from dflash.eval.prompts import prompt_sets
+from dflash.eval.records import prompt_records, records_csv
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.fingerprint import path_digest
 from dflash.freshness import stale_drafter
@@ -54,7 +55,12 @@ def run(config: Config, workspace: Workspace) -> int:
     metrics, decodes = scored[0]  # the held-out split: today's keys at the top
     metrics["sets"] = {s.name: m for s, (m, _) in zip(sets[1:], scored[1:], strict=True)}
     metrics["drafter_sha256"] = path_digest(w.drafter)  # what was scored, for publishing
-    write_eval_outputs(metrics, decodes, w)
+    records = [
+        r
+        for s, (_, d) in zip(sets, scored, strict=True)
+        for r in prompt_records(s.name, s.prompts, s.modes, d.methods)
+    ]
+    write_eval_outputs(metrics, decodes, records, w)
     for s, (m, _) in zip(sets, scored, strict=True):
         base = m["baselines"]
         logger.info(
@@ -69,15 +75,16 @@ def run(config: Config, workspace: Workspace) -> int:
     return 0
 
 
-def write_eval_outputs(metrics: dict, decodes, w: Workspace) -> None:
+def write_eval_outputs(metrics: dict, decodes, records: list[dict], w: Workspace) -> None:
     """The old metrics go first and the new come last: a run killed in between leaves no old
     metrics beside new acceptance rows (they are two files in two directories)."""
     details = EvalDetails.model_validate(metrics)
-    remove_files(w.eval_metrics, w.eval_details, w.eval_acceptance, w.eval_strata)
+    remove_files(w.eval_metrics, w.eval_details, w.eval_acceptance, w.eval_strata, w.eval_prompts)
     per = details.per_position_acceptance
     lines = "position,acceptance\n" + "".join(f"{k},{a:.6f}\n" for k, a in enumerate(per, 1))
     write_text_atomic(w.eval_acceptance, lines)
     write_text_atomic(w.eval_strata, strata_csv(details))
+    write_text_atomic(w.eval_prompts, records_csv(records))
     live = open_live(w.eval_live)
     for i in range(len(decodes.greedy)):
         for name, outputs in decodes.methods.items():

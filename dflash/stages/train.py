@@ -55,6 +55,8 @@ def train_files(workspace: Workspace, config: Config) -> TrainFiles:
         log=w.train_log,
         live=w.train_live,
         init=None if init is None else w.root / init,
+        steps=w.train_steps,
+        buckets=w.stats_buckets,
     )
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash.batching.io import epoch_path, read_rank_plan
+from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
@@ -30,6 +30,7 @@ from dflash.train.distributed import Dist
 from dflash.train.files import TrainFiles
 from dflash.train.init_drafter import tapped_layers
 from dflash.train.parallel import load_sharded_target
+from dflash.train.pilot import epoch_limits
 from dflash.train.topology import Layout, fractions, schedule, start_point, wait
 
 ROW = ("input_ids", "document_ids", "position_ids", "loss_mask")
@@ -118,9 +119,11 @@ def serve(config: Config, files: TrainFiles, ctx: Dist, layout: Layout) -> None:
     began = time.perf_counter()
     store, sender = TokenStore(files.tokenized), BoundedSender(layout, t.feature_prefetch)
     windows = sliding_windows(target)
+    planned = [e["n_steps"] for e in read_plan_meta(files.plans)["epochs"]][: t.epochs]
+    limits = epoch_limits(planned, t.max_steps)  # a pilot's drafter ranks stop there too
     for epoch in range(first_epoch, t.epochs):
         path = epoch_path(files.plans, epoch)
-        rank_steps = [read_rank_plan(path, r) for r in range(layout.drafter_ranks)]
+        rank_steps = [read_rank_plan(path, r)[: limits[epoch]] for r in range(layout.drafter_ranks)]
         first = first_step if epoch == first_epoch else 0
         for work in schedule(layout, ctx.rank, rank_steps, first):
             if work is None:

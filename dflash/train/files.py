@@ -33,6 +33,10 @@ class TrainFiles:
     """DVCLive's directory."""
     init: Path | None = None
     """The checkpoint training starts from (``drafter.init_from``); None from scratch."""
+    steps: Path | None = None
+    """Every finite step's loss and mean sample length, as CSV, written at the end."""
+    buckets: Path | None = None
+    """The stats stage's ``buckets.json``: the length classes the loss is plotted by."""
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from dflash.train import checkpoint, topology
 from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
 from dflash.train.borrowed import load_borrowed
 from dflash.train.clock import StepClock
+from dflash.train.composition import class_name, length_classes
 from dflash.train.distributed import Dist, barrier, from_rank_zero, init_distributed, shutdown
 from dflash.train.feature_server import receive_row, serve
 from dflash.train.files import Declared, TrainFiles, weight_inputs
@@ -49,6 +50,7 @@ from dflash.train.parallel import (
     wrap_drafter,
 )
 from dflash.train.parts import ModelPart, OptimizerPart, full_model_state
+from dflash.train.pilot import epoch_limits, projected_hours
 from dflash.train.plan_check import check_epoch_file, check_plan
 from dflash.train.simulated import SimulatedTau
 from dflash.train.state import TrainState
@@ -95,6 +97,13 @@ class Trainer:
         check_plan(self.plan_meta, self.store, config, ctx.world_size)
         self.epoch_steps = [e["n_steps"] for e in self.plan_meta["epochs"]][: config.train.epochs]
         self.total_steps = sum(self.epoch_steps)
+        self.run_steps = epoch_limits(self.epoch_steps, config.train.max_steps)
+        """Steps each epoch runs: all of them, or a pilot's first ``train.max_steps``."""
+        epochs = self.plan_meta["epochs"][: config.train.epochs]
+        self.plan_tokens = sum(e["real_tokens"] for e in epochs)
+        self.length_classes = length_classes(files.buckets)
+        self.timed: list[tuple[float, int]] = []
+        """``(seconds, real tokens)`` of this process's steps past warm-up: the projection."""
 
         self.target = self._load_target()
         tokenizer = load_tokenizer(files.tokenizer)
@@ -202,7 +211,8 @@ class Trainer:
         )
         self.features.start(s.epoch, s.step_in_epoch)
         while s.epoch < t.epochs:
-            self._run_epoch(s.epoch, monitor)
+            if s.step_in_epoch < self.run_steps[s.epoch]:
+                self._run_epoch(s.epoch, monitor)
             s.epoch += 1
             s.step_in_epoch = 0
         balance = self.features.finish()
@@ -218,17 +228,17 @@ class Trainer:
             summary["drafter_sha256"] = path_digest(f.drafter)
             details = TrainDetails.model_validate(summary)
             write_metrics(f.metrics, f.details, details, TrainHeadline)
-            monitor.finish(summary)
+            monitor.finish(summary, f.steps)
             logger.info(f"done: {json.dumps(summary)}")
         barrier(self.ctx)
 
     def _run_epoch(self, epoch: int, monitor: Monitor | None) -> None:
         c = self.config
-        steps = self._epoch_steps(epoch)
+        steps = self._epoch_steps(epoch)[: self.run_steps[epoch]]
         self.features.epoch(steps, self.state.step_in_epoch)
         self.planned.set_epoch(epoch, steps, self.state.step_in_epoch)
         bar = progress_bar(
-            total=self.epoch_steps[epoch],
+            total=self.run_steps[epoch],
             initial=self.state.step_in_epoch,
             desc=f"epoch {epoch + 1}/{c.train.epochs}",
             unit="step",
@@ -245,13 +255,14 @@ class Trainer:
             result = self._step(micro_batches)
             seconds, timed = self.clock.stop(began)
             self._record(epoch, result, seconds, wait, timed)
-            window.add(result, seconds, wait)
+            length_class = class_name(self.length_classes, mean_length(result))
+            window.add(result, seconds, wait, length_class)
             if monitor is not None:
-                monitor.step(result)
+                monitor.step(result, self.state.global_step, mean_length(result))
             bar.update(1)
             bar.set_postfix(loss=f"{result['loss']:.3f}", lr=f"{result['lr']:.2e}")
             step = self.state.global_step
-            epoch_end = self.state.step_in_epoch == self.epoch_steps[epoch]
+            epoch_end = self.state.step_in_epoch == self.run_steps[epoch]
             if step % c.logging.every == 0 or epoch_end:
                 row = window.row(step, epoch) | self._simulated_tau()  # every rank: FSDP-safe
                 if monitor is not None:
@@ -316,6 +327,7 @@ class Trainer:
         s.real_tokens += result["real_tokens"]
         s.padded_tokens += result["padded_tokens"]
         if timed:
+            self.timed.append((seconds, result["real_tokens"]))
             s.timed_s += seconds
             s.timed_real_tokens += result["real_tokens"]
             s.timed_padded_tokens += result["padded_tokens"]
@@ -363,7 +375,8 @@ class Trainer:
         s = self.state
         last_epoch = max((e for e, _, _ in s.epoch_loss), default=0)
         last = [(loss, w) for e, loss, w in s.epoch_loss if e == last_epoch]
-        final_loss = sum(loss * w for loss, w in last) / max(sum(w for _, w in last), 1e-12)
+        weight = sum(w for _, w in last)
+        final_loss = sum(loss * w for loss, w in last) / weight if weight else float("nan")
         rows = s.rows
         last_row = rows[-1] if rows else {}
         tau_seconds = self.simulated.seconds if self.simulated else 0.0
@@ -373,9 +386,13 @@ class Trainer:
             "final_simulated_tau": last_row.get("simulated_tau", float("nan")),
             "simulated_tau_cost": tau_seconds / max(s.elapsed_s, 1e-9),
             **throughput(s),
+            "projected_hours": projected_hours(
+                self.plan_tokens, s.real_tokens, s.elapsed_s, self.timed
+            ),
             "padding_efficiency": s.real_tokens / max(s.padded_tokens, 1),
             "data_wait_fraction": s.data_wait_s / max(s.elapsed_s, 1e-9),
             "steps": s.global_step,
+            "planned_steps": self.total_steps,
             "skipped_steps": s.skipped_steps,
             "epochs": self.config.train.epochs,
             "world_size": self.ctx.world_size,
@@ -383,6 +400,11 @@ class Trainer:
             "flex_compiles": flex_compiles(),
             "drafter_sources": self.drafter_sources,
         }
+
+
+def mean_length(result: dict[str, Any]) -> float:
+    """The step's mean sample length in tokens, over all ranks."""
+    return result["real_tokens"] / max(result["n_samples"], 1)
 
 
 def throughput(s: TrainState) -> dict[str, float]:
@@ -405,11 +427,19 @@ class _Window:
         self.real = self.padded = self.samples = 0
         self.correct = self.counted = None
         self.grad_norm = self.lr = float("nan")
+        self.by_class: dict[str, list[float]] = {}
+        """``[Σ loss·weight, Σ weight]`` of the steps of each length class."""
 
-    def add(self, result: dict[str, Any], seconds: float, wait: float) -> None:
+    def add(
+        self, result: dict[str, Any], seconds: float, wait: float, length_class: str | None
+    ) -> None:
         if result["finite"]:
             self.loss_w += result["loss"] * result["weight"]
             self.weight += result["weight"]
+            if length_class is not None:
+                sums = self.by_class.setdefault(length_class, [0.0, 0.0])
+                sums[0] += result["loss"] * result["weight"]
+                sums[1] += result["weight"]
         self.correct = (
             result["correct"] if self.correct is None else self.correct + result["correct"]
         )
@@ -438,4 +468,5 @@ class _Window:
             "padding_efficiency": self.real / max(self.padded, 1),
             "mean_sample_length": self.real / max(self.samples, 1),
             "data_wait_fraction": self.wait / max(self.seconds, 1e-9),
+            "loss_by_length": {k: lw / max(w, 1e-12) for k, (lw, w) in self.by_class.items()},
         }

@@ -22,6 +22,7 @@ from typing import Any
 from dflash.config import Config
 from dflash.dvclive_logger import open_live
 from dflash.fileio import write_text_atomic
+from dflash.train.composition import spearman
 from dflash.train.stability import is_spike, stability
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Monitor:
         self.log_csv = log_csv
         self.rows = rows
         self.history = {} if history is None else history
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", "mean_length", "step"):
             self.history.setdefault(key, [])
         self.live = open_live(live_dir)
         for row in rows:  # a resumed run: DVCLive starts over, with the curves so far
@@ -72,25 +73,31 @@ class Monitor:
                 settings=wandb.Settings(**wandb_quiet(os.environ)),
             )
 
-    def step(self, result: dict[str, Any]) -> None:
-        """Record one optimizer step's loss and grad norm (finite steps only: ``finite`` covers
-        the loss and the grad norm alike)."""
+    def step(self, result: dict[str, Any], step: int, mean_length: float) -> None:
+        """Record one optimizer step's loss, grad norm and mean sample length (finite steps
+        only: ``finite`` covers the loss and the grad norm alike)."""
         if not result["finite"]:
             return
         losses = self.history["loss"]
         losses.append(result["loss"])
         self.history["grad_norm"].append(result["grad_norm"])
+        self.history["mean_length"].append(mean_length)
+        self.history["step"].append(step)
         if is_spike(losses, len(losses) - 1):
             logger.warning(f"loss spike at step {len(losses)}: {losses[-1]:.3f}")
 
     def stability(self) -> dict:
-        return stability(self.history)
+        """Spikes, grad-norm spread, and how the step loss follows the step's mean length."""
+        h = self.history
+        return stability(h) | {"loss_length_corr": spearman(h["loss"], h["mean_length"])}
 
     def _log_live(self, row: dict[str, Any]) -> None:
         self.live.step = row["step"]
         for key in PLOT_COLUMNS[2:]:
             if isinstance(row.get(key), int | float):
                 self.live.log_metric(f"train/{key}", row[key])
+        for length_class, loss in row.get("loss_by_length", {}).items():
+            self.live.log_metric(f"train/loss_by_length/{length_class}", loss)
         self.live.next_step()
 
     def log(self, row: dict[str, Any]) -> None:
@@ -103,9 +110,11 @@ class Monitor:
             self.run.log(scalars, step=row["step"])
         write_text_atomic(self.log_csv, rows_to_csv(self.rows))
 
-    def finish(self, summary: dict[str, Any]) -> None:
-        # Also when no step ran (a finished run reused): the plot file is a DVC output.
+    def finish(self, summary: dict[str, Any], steps_csv: Path | None = None) -> None:
+        # Also when no step ran (a finished run reused): the plot files are DVC outputs.
         write_text_atomic(self.log_csv, rows_to_csv(self.rows))
+        if steps_csv is not None:
+            write_text_atomic(steps_csv, steps_to_csv(self.history))
         numbers = {k: v for k, v in summary.items() if isinstance(v, int | float)}
         self.live.summary.update(numbers)
         self.live.end()
@@ -122,6 +131,20 @@ def wandb_quiet(environ: Mapping[str, str]) -> dict[str, bool]:
     """wandb settings that keep its end-of-run summary off the terminal, unless the
     environment already says how much wandb should print."""
     return {} if any(name in environ for name in WANDB_OUTPUT_ENV) else {"quiet": True}
+
+
+STEP_COLUMNS = ("step", "loss", "mean_length", "grad_norm")
+"""Every finite step's loss beside its mean sample length: the batch-composition plot."""
+
+
+def steps_to_csv(history: dict[str, list[float]]) -> str:
+    series = [history.get(key, []) for key in STEP_COLUMNS]
+    if len({len(values) for values in series}) != 1:  # a checkpoint older than the columns
+        series = [[] for _ in STEP_COLUMNS]
+    lines = [",".join(STEP_COLUMNS)] + [
+        ",".join(map(str, row)) for row in zip(*series, strict=True)
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def rows_to_csv(rows: list[dict[str, Any]]) -> str:

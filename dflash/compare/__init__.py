@@ -1,0 +1,1 @@
+"""``dflash compare``: paired differences between runs, read from each run's own revision."""

@@ -1,0 +1,37 @@
+"""``dflash compare [EXP ...] [--json]``: which run is better, and is the difference real?
+
+Each run's per-prompt τ and training figures are read from its own revision
+(:mod:`dflash.compare.revisions`); runs differing only in their seeds are pooled; every later
+group is compared with the first (:mod:`dflash.compare.paired`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from dflash.compare.paired import compare, pool
+from dflash.compare.revisions import runs_to_compare
+from dflash.compare.screen import as_json, render
+from dflash.errors import UserError
+
+
+def run(args: argparse.Namespace, root: Path) -> int:
+    try:
+        groups = pool(runs_to_compare(root, args.runs))
+    except UserError as err:
+        print(f"dflash compare: {err}", file=sys.stderr)
+        return 2
+    if len(groups) < 2:
+        print("dflash compare: the runs differ only in their seeds: nothing to compare",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    first, others = groups[0], groups[1:]
+    comparisons = [(group, compare(first, group)) for group in others]
+    if args.json:
+        print(json.dumps(as_json(first, comparisons), indent=2))
+    else:
+        sys.stdout.write(render(first, comparisons))
+    return 0

@@ -1,0 +1,78 @@
+"""The comparison as one screen (at most 100 columns) or as JSON with the same figures."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dflash.compare.paired import Row
+from dflash.compare.revisions import Run
+
+WIDTH = 100
+LABEL = 26
+FORMATS = {"tau": ".2f", "tokens/s": ",.0f", "padding eff.": ".3f", "final loss": ".3f",
+           "projected h": ".3g", "loss~length": ".2f"}  # fmt: skip
+RELATIVE = ("tokens/s", "projected h")
+"""Figures whose difference is also shown as a share of the first group's."""
+HEADER = f"  {'figure':<{LABEL}}{'n':>4}  {'first':<18}{'this':<18}{'Δ':>12}  95% interval"
+
+
+def group_label(group: list[Run]) -> str:
+    names = ", ".join(r.label for r in group)
+    return names if len(group) == 1 else f"{names} ({len(group)} seeds pooled)"
+
+
+def number(value: float | None, spec: str, signed: bool = False) -> str:
+    if value is None:
+        return "n/a"
+    return format(value, ("+" if signed else "") + spec)
+
+
+def with_interval(value: float | None, ci: list[float] | None, spec: str) -> str:
+    shown = number(value, spec)
+    return shown if ci is None else f"{shown} [{number(ci[0], spec)}, {number(ci[1], spec)}]"
+
+
+def line(row: Row) -> str:
+    spec = FORMATS.get(row.figure, ".3g")
+    label = f"τ {row.set} {row.stratum}" if row.figure == "tau" else row.figure
+    delta = number(row.delta, spec, signed=True)
+    if row.figure in RELATIVE and row.delta is not None and row.first:
+        delta += f" ({row.delta / row.first:+.0%})"
+    delta += "*" if row.resolved else " "
+    ci = "" if row.ci is None else "[{}, {}]".format(*(number(v, spec, True) for v in row.ci))
+    first = with_interval(row.first, row.first_ci, spec)
+    this = with_interval(row.this, row.this_ci, spec)
+    cells = f"  {label[:LABEL]:<{LABEL}}{row.n:>4}  {first:<18}{this:<18}{delta:>12}  {ci}"
+    return cells.rstrip()[:WIDTH]
+
+
+def render(first: list[Run], comparisons: list[tuple[list[Run], list[Row]]]) -> str:
+    out = [f"dflash compare: against {group_label(first)}"]
+    for group, rows in comparisons:
+        out += ["", f"{group_label(group)}"[:WIDTH], HEADER]
+        if not any(r.figure == "tau" for r in rows):
+            out.append("  τ: no prompt scored by both (other prompts: evaluate params or data)")
+        out += [line(r) for r in rows]
+    out += [
+        "",
+        "n: prompts paired (τ) or runs a side; [ ]: 95% bootstrap interval over prompts, and",
+        "over seeds where runs differing only in seeds are pooled; Δ* its interval excludes 0",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def as_json(first: list[Run], comparisons: list[tuple[list[Run], list[Row]]]) -> dict[str, Any]:
+    def names(group: list[Run]) -> list[dict]:
+        return [{"name": r.name, "rev": r.rev} for r in group]
+
+    return {
+        "first": names(first),
+        "comparisons": [
+            {
+                "this": names(group),
+                "rows": [dataclasses.asdict(r) | {"resolved": r.resolved} for r in rows],
+            }
+            for group, rows in comparisons
+        ],
+    }
