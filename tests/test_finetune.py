@@ -27,7 +27,7 @@ def losses(workspace: Path) -> list[float]:
 
 @pytest.mark.slow
 def test_fine_tuning_an_export_starts_where_its_run_ended(tiny_workspace):
-    run_stages(tiny_workspace, ["plan", "train"], SHORT)
+    run_stages(tiny_workspace, ["stats", "plan", "train"], SHORT)
     scratch = losses(tiny_workspace)
     shutil.copytree(tiny_workspace / "models/drafter", tiny_workspace / "models/init/first")
     run_stages(tiny_workspace, ["train"], [*SHORT, "drafter.init_from=models/init/first"])
@@ -58,7 +58,7 @@ def test_a_checkpoint_for_another_target_exits_2_before_training(
         assert cli.main(["train", *(a for s in sets for a in ("--set", s))]) == 2
         err = capsys.readouterr().err
         assert named in err and "Traceback" not in err
-    assert not list((tiny_workspace / "checkpoints").glob("step_*"))
+    assert not list((tiny_workspace / "checkpoints").glob("**/step_*"))
 
 
 def test_another_checkpoint_never_resumes_this_ones_training(tiny_workspace, monkeypatch):
@@ -75,3 +75,30 @@ def test_another_checkpoint_never_resumes_this_ones_training(tiny_workspace, mon
     assert fingerprint(load_config("params.yaml")) != before
     (init / "config.json").write_text("{ }")
     assert fingerprint(config) != before
+
+
+def test_zero_steps_export_the_imported_drafter_unchanged(tiny_workspace):
+    """``train.max_steps: 0`` with ``drafter.init_from``: the export holds the checkpoint's
+    weights bit for bit, with its conventions, so evaluate scores it as published."""
+    from safetensors.torch import load_file
+
+    from dflash.model.load import load_target
+
+    target = load_target(tiny_workspace / "models/target")
+    drafter = DFlashDrafter.from_target(
+        target, block_size=4, num_hidden_layers=1, num_target_features=2, mask_token_id=3, seed=7
+    )
+    init = tiny_workspace / "models/init/published"
+    export_drafter(drafter, init, target.config, torch.float32)
+    zero = [*SHORT, "train.max_steps=0", "drafter.init_from=models/init/published"]
+    run_stages(tiny_workspace, ["stats", "plan", "train"], zero)
+    published = load_file(init / "model.safetensors")
+    exported = load_file(tiny_workspace / "models/drafter/model.safetensors")
+    assert published.keys() == exported.keys()
+    for name in published:
+        assert torch.equal(published[name], exported[name]), name
+    config = json.loads((tiny_workspace / "models/drafter/config.json").read_text())
+    source = json.loads((init / "config.json").read_text())
+    assert config["block_size"] == source["block_size"]
+    for key, value in source["dflash_config"].items():  # layer ids and the mask token's id
+        assert config["dflash_config"][key] == value, key
