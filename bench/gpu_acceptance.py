@@ -134,9 +134,13 @@ def train_copy(base: Path, name: str, *overrides: str) -> Path:
 def kill_after_checkpoint(workspace: Path, step: int) -> bool:
     """Start training, SIGKILL the whole process group once checkpoint ``step`` is complete."""
     proc = stage(workspace, "train", torchrun=True)
-    marker = workspace / f"checkpoints/step_{step:08d}.sha256"
+    marker = f"*/step_{step:08d}.sha256"  # in the run's own directory
     deadline = time.time() + 600
-    while proc.poll() is None and time.time() < deadline and not marker.exists():
+    while (
+        proc.poll() is None
+        and time.time() < deadline
+        and not any((workspace / "checkpoints").glob(marker))
+    ):
         time.sleep(0.01)
     killed = proc.poll() is None
     os.killpg(proc.pid, signal.SIGKILL)

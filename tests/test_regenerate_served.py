@@ -103,11 +103,13 @@ def test_two_endpoints_share_the_work(runs, servers):
     assert sum(turns.values()) == stats["turns_regenerated"]
 
 
-def test_the_served_corpus_trains_a_drafter(runs, tmp_path):
-    """The rest of the pipeline takes the served corpus: tokenize, plan and one epoch."""
+def test_the_served_corpus_trains_a_drafter(runs, servers, tmp_path):
+    """The rest of the pipeline takes the served corpus: tokenize, plan and one epoch (with
+    the params the corpus was regenerated with: its record holds them)."""
     directory = tmp_path / "ws"
     shutil.copytree(runs[0], directory)
     sets = ["data.num_workers=1", "train.world_size=1", "train.epochs=1", "logging.wandb=disabled"]
+    sets += served(*(s.url for s in servers))
     run_stages(directory, ["tokenize", "stats", "plan", "train"], sets)
     assert (directory / (WS.tokenized / STORE_INDEX)).exists()
     assert (directory / WS.drafter / hf_files.WEIGHTS).exists()

@@ -94,7 +94,7 @@ def test_a_plugin_strategy_trains(toy, tiny_workspace):
     sets = [f"batching.strategy={toy}", "batching.token_budget=3072", "batching.max_batch_size=64"]
     sets += ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1000"]
     sets += ["logging.every=1000"]
-    run_stages(tiny_workspace, ["plan", "train"], sets)
+    run_stages(tiny_workspace, ["stats", "plan", "train"], sets)
     summary = json.loads((tiny_workspace / "data/plans/summary.json").read_text())
     assert summary["meta"]["strategy"] == toy
     metrics = json.loads((tiny_workspace / "metrics/train_details.json").read_text())

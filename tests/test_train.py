@@ -248,6 +248,7 @@ def test_data_worker_error_stops_the_run_quickly(tiny_workspace):
 
 @pytest.mark.slow
 def test_dflash_train_launches_torchrun_itself(tiny_workspace):
+    run_stages(tiny_workspace, ["plan"], ["train.epochs=1"])
     proc = subprocess.run(
         [sys.executable, "-m", "dflash.cli", "train", "--set", "train.epochs=1"],
         cwd=tiny_workspace,

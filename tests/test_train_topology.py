@@ -225,6 +225,7 @@ def test_fsdp_drafter_ranks_fed_by_a_target_rank_train_the_colocated_fsdp_drafte
 ):
     """The plan for 2 ranks: colocated FSDP over 2 ranks, then 1 target rank feeding 2 FSDP
     drafter ranks (the drafter sharded over the drafter ranks' own group)."""
+    run_stages(tiny_workspace, ["plan"], ["train.epochs=1"])
     decoupled = tmp_path / "decoupled"
     os.system(f"cp -r {tiny_workspace} {decoupled}")
     fsdp = ("train.parallelism=fsdp", "train.epochs=1")

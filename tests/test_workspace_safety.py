@@ -153,8 +153,10 @@ def test_tokenize_workers_leave_ctrl_c_to_the_parent():
 def test_ctrl_c_on_train_stops_every_rank_and_exits_130(tiny_workspace):
     """Ctrl-C goes to the launcher's process group: every process of the job ends, the
     launcher says so in one line, and the run resumes later."""
+    long = ["train.epochs=30"]  # minutes of steps: the interrupt comes mid-run
+    run_stages(tiny_workspace, ["plan"], long)
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--set=train.checkpoint_every=1"]
-    cmd += ["--set=train.num_workers=1"]
+    cmd += ["--set=train.num_workers=1", *(f"--set={o}" for o in long)]
     launcher = subprocess.Popen(
         cmd, cwd=tiny_workspace, env=ENV, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
