@@ -174,6 +174,20 @@ class DrafterConfig(Section):
         return self
 
 
+class ObjectiveConfig(Section):
+    loss: Literal["ce", "kl", "ce+kl"] = "ce"
+    """What each block slot is trained on: ``ce``, cross-entropy against the data token (the
+    paper); ``kl``, KL divergence to the target's next-token distribution there (temperature 1,
+    its logits from its last hidden state through the LM head, so the target runs all its
+    layers); ``ce+kl``, their sum."""
+    position_weight: Literal["decay", "dpace"] = "decay"
+    """How block slots weigh: ``decay``, exp(-(k-1)/drafter.gamma); ``dpace``, D-PACE, the
+    expected tokens accepted from slot k on given the drafter's confidence in the labels
+    (loss normalised by the label count)."""
+    dpace_alpha: Float = Field(0.5, ge=0.0, le=1.0)
+    """D-PACE smoothing: a slot's confidence q counts as (1 - alpha) q + alpha."""
+
+
 class BatchingConfig(Section):
     strategy: one_of(strategy_names) = "bucketed"
     """How samples become micro-batches (docs/batching.md): a module of
@@ -357,6 +371,7 @@ class Config(BaseModel):
     target: TargetConfig = TargetConfig()
     regenerate: RegenerateConfig = RegenerateConfig()
     drafter: DrafterConfig = DrafterConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
     batching: BatchingConfig = BatchingConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()

@@ -95,8 +95,11 @@ def target_features(
     document_ids: Tensor,
     layer_ids: list[int],
     layout: DocumentLayout | bool | None = None,
+    last: bool = False,
 ) -> Tensor:
     """Features ``[R, T, n*H]`` of a micro-batch of (possibly packed) rows; zero on padding.
+    With ``last``, ``[R, T, (n+1)*H]``: the target's last hidden state (after its final norm,
+    what its LM head reads) follows, for an objective that distills the target's distribution.
 
     Only the fused layers' outputs are kept (forward hooks), the target stops after the deepest
     of them and its LM head never runs: at a 150K vocabulary and 8K tokens, all hidden states
@@ -111,22 +114,25 @@ def target_features(
     if layout is None:
         layout = packing(document_ids)
     packed, sharded = layout is not False, _sharded(target)
+    depth = len(decoder_layers(target)) if last else max(layer_ids) + 1
     # A sharded target's forwards are collectives: its ranks all go one way, one row or packed.
-    if (packed or sharded) and unconfined(target, decoder_layers(target), max(layer_ids) + 1):
-        return _by_rows(target, input_ids, document_ids, layer_ids, sharded)
+    if (packed or sharded) and unconfined(target, decoder_layers(target), depth):
+        return _by_rows(target, input_ids, document_ids, layer_ids, sharded, last)
     if not packed:
         # Equal on the real tokens; on padding, a position restarting at 0 would make Hugging
         # Face read the rows as packed and build a dense [R, 1, T, T] mask.
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        return _features(target, input_ids, positions.expand_as(input_ids), document_ids, layer_ids)
+        return _features(
+            target, input_ids, positions.expand_as(input_ids), document_ids, layer_ids, last=last
+        )
     try:
         with target_attention(target):
-            return _features(target, input_ids, position_ids, document_ids, layer_ids, layout)
+            return _features(target, input_ids, position_ids, document_ids, layer_ids, layout, last)
     except ExactPathNeeded:
         if sharded:  # its other ranks went on with the forward: no second one here
             raise
         refuse(target)
-        return _by_rows(target, input_ids, document_ids, layer_ids, sharded)
+        return _by_rows(target, input_ids, document_ids, layer_ids, sharded, last)
 
 
 def _features(
@@ -136,8 +142,10 @@ def _features(
     document_ids: Tensor,
     layer_ids: list[int],
     layout: DocumentLayout | None = None,
+    last: bool = False,
 ) -> Tensor:
-    """One forward of the target's first layers, keeping the fused layers' outputs."""
+    """One forward of the target's first layers, keeping the fused layers' outputs (and, with
+    ``last``, of all its layers, keeping its last hidden state too)."""
     layers, captured = decoder_layers(target), {}
 
     def capture(index: int):
@@ -149,25 +157,31 @@ def _features(
     extra = {} if layout is None else {"document_layout": layout}
     handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
     try:
-        with _first_layers(target, max(layer_ids) + 1):
-            target.base_model(
+        with _first_layers(target, len(layers) if last else max(layer_ids) + 1):
+            out = target.base_model(
                 input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
             )
     finally:
         for handle in handles:
             handle.remove()
-    features = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    kept = [captured[i] for i in layer_ids] + ([out.last_hidden_state] if last else [])
+    features = torch.cat(kept, dim=-1)
     return features * (document_ids >= 0)[..., None].to(features.dtype)
 
 
 def _by_rows(
-    target: nn.Module, input_ids: Tensor, document_ids: Tensor, layer_ids: list[int], sharded: bool
+    target: nn.Module,
+    input_ids: Tensor,
+    document_ids: Tensor,
+    layer_ids: list[int],
+    sharded: bool,
+    last: bool = False,
 ) -> Tensor:
     """Features computed one document per row (exact for any target); a sharded target's
     ranks first agree on how many forwards they run."""
 
     def run(ids: Tensor, positions: Tensor, documents: Tensor) -> Tensor:
-        return _features(target, ids, positions, documents, layer_ids)
+        return _features(target, ids, positions, documents, layer_ids, last=last)
 
     def most_over_shards(n: int, device: torch.device) -> int:
         return _most_over_ranks(n, device, _shard_group(target))

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash.model.distill import PAPER, Objective, WeightedHeadLoss
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import AnchorBlocks, build_attention_mask, flex_available
 
@@ -231,12 +232,15 @@ def label_plan(
     gamma: float,
     *,
     blocks: bool,
+    position_weight: str = "decay",
 ) -> LabelPlan:
     """The :class:`LabelPlan` of a micro-batch of ``R`` rows, its anchors checked; with the
     two-part kernel's chunks if ``blocks``.
 
     The one home of the weighting rule: the objective weighs its loss with ``weights``, and
     the data loader sums them ahead of the forward (``MicroBatch.weight_sum``) to normalise it.
+    D-PACE's weights depend on the drafter's output, so with ``position_weight: dpace`` every
+    label weighs 1 here and the loss is normalised by the label count, as speculators does.
     """
     _check_anchors(document_ids, anchors)
     R, T = document_ids.shape
@@ -253,7 +257,11 @@ def label_plan(
         anchors=real,
         index=index,
         slots=slots,
-        weights=_device_decay_weights(block_size, gamma, index.device)[slots],
+        weights=(
+            _device_decay_weights(block_size, gamma, index.device)[slots]
+            if position_weight == "decay"
+            else torch.ones(slots.shape, dtype=torch.float32, device=index.device)
+        ),
         counted=torch.bincount(slots, minlength=block_size),
         blocks=mask,
     )
@@ -271,12 +279,16 @@ def dflash_objective(
     *,
     flex: bool | None = None,
     plan: LabelPlan | None = None,
+    objective: Objective = PAPER,
 ) -> ObjectiveOutput:
-    """Decay-weighted block cross-entropy of ``R`` rows of ``T`` tokens with ``A`` anchors each.
+    """Decay-weighted block cross-entropy of ``R`` rows of ``T`` tokens with ``A`` anchors each,
+    or the loss and position weights ``objective`` names (:mod:`dflash.model.distill`).
 
     ``flex`` forces FlexAttention (True) or the two-part kernel (False); None picks
     FlexAttention on CUDA. ``plan`` is :func:`label_plan` of these inputs, computed ahead (then
-    nothing here reads the device back); without it, it is computed here.
+    nothing here reads the device back); without it, it is computed here. A distilling
+    ``objective`` takes ``features`` with the target's last hidden state as their last columns
+    (``target_features(..., last=True)``).
     """
     _check_shapes(input_ids, loss_mask, document_ids, position_ids, anchors)
     if features.shape[:2] != input_ids.shape:
@@ -285,7 +297,14 @@ def dflash_objective(
         flex = flex_available(anchors.device)
     bs = drafter.config.block_size
     if plan is None:
-        plan = label_plan(loss_mask, document_ids, anchors, bs, gamma, blocks=not flex)
+        plan = label_plan(
+            loss_mask, document_ids, anchors, bs, gamma, blocks=not flex,
+            position_weight=objective.position_weight,
+        )  # fmt: skip
+    teacher = None
+    if objective.distills:
+        width = drafter.head()[0].shape[1]
+        features, teacher = features[..., :-width], features[..., -width:]
     features, input_ids, loss_mask, document_ids, position_ids = _one_row(
         features, input_ids, loss_mask, document_ids, position_ids
     )
@@ -304,6 +323,10 @@ def dflash_objective(
     labels, _ = _gather_blocks(input_ids, anchors, bs)
     weight, bias = drafter.head()
     rows = chunk_rows(weight.shape[0], weight.device)
+    if not objective.default:
+        return _other_objective(
+            hidden, weight, bias, labels, teacher, anchors, plan, objective, rows
+        )
     loss_sum, hits = ChunkedHeadLoss.apply(
         hidden.flatten(0, 1).index_select(0, plan.index),
         weight,
@@ -311,6 +334,46 @@ def dflash_objective(
         labels.flatten().index_select(0, plan.index),
         plan.weights,
         rows,
+    )
+    correct = torch.zeros(bs, dtype=torch.long, device=hits.device)
+    return ObjectiveOutput(
+        loss_sum=loss_sum,
+        weight_sum=plan.weights.sum(),
+        correct=correct.index_add_(0, plan.slots, hits.long()),
+        counted=plan.counted,
+    )
+
+
+def _other_objective(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    teacher: Tensor | None,
+    anchors: Tensor,
+    plan: LabelPlan,
+    objective: Objective,
+    rows: int,
+) -> ObjectiveOutput:
+    """The objective with a loss or position weights other than the paper's."""
+    bs = labels.shape[-1]
+    taught = None
+    if teacher is not None:  # the target's distribution of the token at p + k is read at p + k - 1
+        before = anchors[:, :, None] + torch.arange(bs, device=anchors.device) - 1
+        places = before.clamp(min=0).flatten().index_select(0, plan.index)
+        taught = teacher.flatten(0, 1).index_select(0, places)
+    dpace = objective.position_weight == "dpace"
+    loss_sum, hits, _ = WeightedHeadLoss.apply(
+        hidden.flatten(0, 1).index_select(0, plan.index),
+        weight,
+        bias,
+        labels.flatten().index_select(0, plan.index),
+        taught,
+        plan.weights,
+        rows,
+        objective.loss,
+        (plan.index, (anchors.shape[1], bs)) if dpace else None,
+        objective.dpace_alpha,
     )
     correct = torch.zeros(bs, dtype=torch.long, device=hits.device)
     return ObjectiveOutput(

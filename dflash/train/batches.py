@@ -74,6 +74,7 @@ def build_micro_batch(
     epoch: int,
     flex: bool = False,
     windows: tuple[int, ...] = (),
+    position_weight: str = "decay",
 ) -> MicroBatch:
     """The micro-batch of ``rows``, with everything its step would otherwise read back from the
     device: the objective's ``label_plan`` (with the two-part kernel's mask chunks unless the
@@ -112,7 +113,10 @@ def build_micro_batch(
         anchor_tensor[r, : len(a)] = a
     loss_mask_t, document_ids_t = torch.from_numpy(loss_mask), torch.from_numpy(document_ids)
     anchors_t = torch.from_numpy(anchor_tensor)
-    labels = label_plan(loss_mask_t, document_ids_t, anchors_t, block_size, gamma, blocks=not flex)
+    labels = label_plan(
+        loss_mask_t, document_ids_t, anchors_t, block_size, gamma, blocks=not flex,
+        position_weight=position_weight,
+    )  # fmt: skip
     return MicroBatch(
         input_ids=torch.from_numpy(input_ids),
         loss_mask=loss_mask_t,
@@ -171,6 +175,7 @@ class StepBuilder(torch.utils.data.Dataset):
         seed: int,
         flex: bool = False,
         windows: tuple[int, ...] = (),
+        position_weight: str = "decay",
     ) -> None:
         self.store = store
         self.kwargs = dict(
@@ -180,6 +185,7 @@ class StepBuilder(torch.utils.data.Dataset):
             seed=seed,
             flex=flex,
             windows=windows,
+            position_weight=position_weight,
         )
 
     def __getitem__(self, key: tuple[int, list[list[Row]]]) -> list[MicroBatch]:

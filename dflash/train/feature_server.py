@@ -22,6 +22,7 @@ from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
+from dflash.model.distill import objective_of
 from dflash.model.features import sliding_windows, target_features
 from dflash.model.load import load_target
 from dflash.train import simulated
@@ -134,11 +135,13 @@ def serve(config: Config, files: TrainFiles, ctx: Dist, layout: Layout) -> None:
             mb = build_micro_batch(
                 store, rows, block_size=d.block_size, anchors_per_sequence=d.anchors_per_sequence,
                 gamma=d.gamma, seed=t.seed, epoch=epoch, windows=windows,
+                position_weight=config.objective.position_weight,
             ).to(ctx.device)  # fmt: skip
             with torch.inference_mode(), autocast:
                 features = target_features(
-                    target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout
-                )
+                    target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout,
+                    last=objective_of(config).distills,
+                )  # fmt: skip
             sender.send(features.to(dtype).contiguous(), drafter, index)
     sender.drain()
     busy = time.perf_counter() - began - sender.idle_s

@@ -27,6 +27,7 @@ from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
 from dflash.metrics_schema import TrainDetails, TrainHeadline
+from dflash.model.distill import objective_of
 from dflash.model.drafter_attention import flex_available, flex_compiles
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
@@ -114,9 +115,11 @@ class Trainer:
         self.drafter.recompute = config.train.recompute
         self.layer_ids = self.drafter.config.target_layer_ids
         t = config.train
+        self.objective = objective_of(config)
         self.features = feature_source(
-            self.placement, self.target, self.layer_ids, t.feature_prefetch
-        )
+            self.placement, self.target, self.layer_ids, t.feature_prefetch,
+            last=self.objective.distills,
+        )  # fmt: skip
         self.model = wrap_drafter(self.drafter, ctx, t.parallelism)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -308,6 +311,7 @@ class Trainer:
             seed=c.train.seed,
             flex=flex_available(self.ctx.device),
             windows=sliding_windows(self.target),
+            position_weight=c.objective.position_weight,
         )
         planned = PlannedSteps()
         cuda = self.ctx.device.type == "cuda"
@@ -346,6 +350,7 @@ class Trainer:
             c.drafter.gamma,
             self.autocast,
             self.features,
+            self.objective,
         )
         grad_norm = clip_grad_norm(self.params, c.train.clip_grad)
         lr = self.scheduler.get_last_lr()[0]

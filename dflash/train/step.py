@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from dflash.model.distill import PAPER, Objective
 from dflash.model.features import target_features
 from dflash.model.objective import ObjectiveOutput, dflash_objective
 from dflash.train.batches import MicroBatch
@@ -40,17 +41,27 @@ class StepTotals(NamedTuple):
 
 
 def micro_batch_loss(
-    target: nn.Module, model: nn.Module, layer_ids: list[int], mb: MicroBatch, gamma: float
+    target: nn.Module,
+    model: nn.Module,
+    layer_ids: list[int],
+    mb: MicroBatch,
+    gamma: float,
+    objective: Objective = PAPER,
 ) -> ObjectiveOutput:
     """Target features without gradients, then the drafter and its loss on one micro-batch."""
     features = target_features(
-        target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout
-    )
-    return drafter_loss(model, features, mb, gamma)
+        target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout,
+        last=objective.distills,
+    )  # fmt: skip
+    return drafter_loss(model, features, mb, gamma, objective)
 
 
 def drafter_loss(
-    model: nn.Module, features: torch.Tensor, mb: MicroBatch, gamma: float
+    model: nn.Module,
+    features: torch.Tensor,
+    mb: MicroBatch,
+    gamma: float,
+    objective: Objective = PAPER,
 ) -> ObjectiveOutput:
     """The drafter and its loss on one micro-batch, given its target features."""
     return dflash_objective(
@@ -63,6 +74,7 @@ def drafter_loss(
         mb.anchors,
         gamma,
         plan=mb.label_plan,
+        objective=objective,
     )
 
 
@@ -90,6 +102,7 @@ def forward_backward(
     gamma: float,
     autocast: contextlib.AbstractContextManager,
     features_of: Callable[[MicroBatch], torch.Tensor] | None = None,
+    objective: Objective = PAPER,
 ) -> StepTotals:
     """Accumulate the step's gradients in ``model`` and return its totals over all ranks.
 
@@ -111,14 +124,20 @@ def forward_backward(
         with autocast:
             features = (
                 target_features(
-                    target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout
-                )
+                    target,
+                    mb.input_ids,
+                    mb.position_ids,
+                    mb.document_ids,
+                    layer_ids,
+                    mb.layout,
+                    last=objective.distills,
+                )  # fmt: skip
                 if features_of is None
                 else features_of(mb)
             )
         with contextlib.nullcontext() if last else no_sync(model), borrowed_unsharded(model):
             with autocast:
-                out = drafter_loss(model, features, mb, gamma)
+                out = drafter_loss(model, features, mb, gamma, objective)
             (out.loss_sum * scale).backward()
         parts = (out.loss_sum.detach()[None], out.correct, out.counted)
         sums += torch.cat([t.double() for t in parts])

@@ -196,8 +196,8 @@ def fractions(world: Dist, idle_s: float, busy_s: float, role: str) -> dict[str,
 class ColocatedFeatures:
     """The rank's own target computes its features."""
 
-    def __init__(self, target: torch.nn.Module, layer_ids: list[int]) -> None:
-        self.target, self.layer_ids = target, layer_ids
+    def __init__(self, target: torch.nn.Module, layer_ids: list[int], last: bool = False) -> None:
+        self.target, self.layer_ids, self.last = target, layer_ids, last
 
     def start(self, epoch: int, step: int) -> None:
         pass
@@ -207,8 +207,9 @@ class ColocatedFeatures:
 
     def __call__(self, mb: MicroBatch) -> torch.Tensor:
         return target_features(
-            self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids, mb.layout
-        )
+            self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids, mb.layout,
+            last=self.last,
+        )  # fmt: skip
 
     def finish(self) -> dict[str, float]:
         return {"target_idle_fraction": 0.0, "drafter_wait_fraction": 0.0}
@@ -273,12 +274,17 @@ class DecoupledFeatures:
 
 
 def feature_source(
-    placement: Placement, target: torch.nn.Module, layer_ids: list[int], prefetch: int
+    placement: Placement,
+    target: torch.nn.Module,
+    layer_ids: list[int],
+    prefetch: int,
+    last: bool = False,
 ) -> ColocatedFeatures | DecoupledFeatures:
-    """Where a drafter rank's features come from: its own target, or the target ranks."""
+    """Where a drafter rank's features come from: its own target, or the target ranks (with
+    the target's last hidden state after them where ``last``)."""
     if placement.layout is None:
-        return ColocatedFeatures(target, layer_ids)
-    width = len(layer_ids) * target.config.hidden_size
+        return ColocatedFeatures(target, layer_ids, last)
+    width = (len(layer_ids) + last) * target.config.hidden_size
     dtype = target.get_input_embeddings().weight.dtype
     return DecoupledFeatures(placement.ctx, placement.layout, width, dtype, prefetch)
 

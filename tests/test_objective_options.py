@@ -1,0 +1,236 @@
+"""The objective's options: KL to the target, ce+kl, D-PACE position weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_qwen3
+from test_model_objective import _drafter_grads
+
+from dflash.config import ObjectiveConfig
+from dflash.model import objective
+from dflash.model.distill import Objective, WeightedHeadLoss, dpace_weights, head_terms
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter_attention import build_block_mask
+from dflash.model.features import target_features
+from dflash.model.objective import block_labels, decay_weights, dflash_objective
+
+BS = 4
+MASK = 299
+V, H = 50, 16
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3(num_hidden_layers=5)
+
+
+@pytest.fixture(scope="module")
+def drafter(target) -> DFlashDrafter:
+    return DFlashDrafter.from_target(
+        target, block_size=BS, num_hidden_layers=2, num_target_features=2, mask_token_id=MASK
+    )
+
+
+def _head(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(V, H, generator=gen), torch.randn(V, generator=gen)
+
+
+def _weighted(hidden, teacher, labels, weights, loss, rows=3, blocks=None, alpha=0.5):
+    weight, bias = _head()
+    out, _, used = WeightedHeadLoss.apply(
+        hidden, weight, bias, labels, teacher, weights, rows, loss, blocks, alpha
+    )
+    return out, used
+
+
+def test_kl_to_the_targets_own_distribution_has_zero_gradient():
+    """Temperature 1, no position weights: drafter logits equal to the target's are optimal."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(10, H, generator=gen, requires_grad=True)
+    labels = torch.randint(0, V, (10,), generator=gen)
+    loss, _ = _weighted(hidden, hidden.detach().clone(), labels, torch.ones(10), "kl")
+    loss.backward()
+    assert loss.abs() < 1e-5
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl", "ce+kl"])
+def test_chunked_losses_equal_full_logits_and_autograd(loss):
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(11, H, generator=gen, requires_grad=True)
+    teacher = torch.randn(11, H, generator=gen)
+    labels = torch.randint(0, V, (11,), generator=gen)
+    weights = torch.rand(11, generator=gen)
+    got, _ = _weighted(hidden, teacher, labels, weights, loss)
+    (got_grad,) = torch.autograd.grad(got, hidden)
+
+    weight, bias = _head()
+    log_q = F.log_softmax(F.linear(hidden, weight, bias), dim=-1)
+    log_p = F.log_softmax(F.linear(teacher, weight, bias), dim=-1)
+    per_label = torch.zeros(11)
+    if "ce" in loss.split("+"):
+        per_label = per_label + F.nll_loss(log_q, labels, reduction="none")
+    if "kl" in loss:
+        per_label = per_label + F.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1)
+    want = (weights * per_label).sum()
+    (want_grad,) = torch.autograd.grad(want, hidden)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+def _dpace_reference(q: list[list[float]], counted: list[list[bool]], alpha: float):
+    """D-PACE written out: w_k = Σ_{t>=k, counted} Π_{j<=t, counted} ((1-alpha) q_j + alpha)."""
+    out = []
+    for qs, cs in zip(q, counted, strict=True):
+        row = []
+        for k in range(len(qs)):
+            total = 0.0
+            for t in range(k, len(qs)):
+                if not cs[t]:
+                    continue
+                reach = 1.0
+                for j in range(t + 1):
+                    if cs[j]:
+                        reach *= (1 - alpha) * qs[j] + alpha
+                total += reach
+            row.append(total if cs[k] else 0.0)
+        out.append(row)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+def test_dpace_weights_match_the_formula(alpha):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.rand(5, 6, generator=gen)
+    counted = torch.rand(5, 6, generator=gen) < 0.7
+    counted[:, 0] = False  # the anchor slot
+    got = dpace_weights(q, counted, alpha)
+    want = _dpace_reference(q.tolist(), counted.tolist(), alpha)
+    torch.testing.assert_close(got, want.float(), atol=1e-6, rtol=1e-6)
+    if alpha == 1.0:  # no confidence: slot k weighs the number of counted slots from k on
+        assert got[counted].min() >= 1.0
+
+
+def test_dpace_weights_are_built_from_the_labels_confidence_and_carry_no_gradient():
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(6, H, generator=gen, requires_grad=True)
+    labels = torch.randint(0, V, (6,), generator=gen)
+    index = torch.tensor([1, 2, 3, 5, 6, 7])  # two blocks of 4, slot 0 never counts
+    loss, used = _weighted(hidden, None, labels, torch.ones(6), "ce", blocks=(index, (2, 4)))
+    weight, bias = _head()
+    log_q = F.log_softmax(F.linear(hidden.detach(), weight, bias), dim=-1)
+    ce = F.nll_loss(log_q, labels, reduction="none")
+    dense, counted = torch.zeros(8), torch.zeros(8, dtype=torch.bool)
+    dense[index], counted[index] = torch.exp(-ce), True
+    want = dpace_weights(dense.view(2, 4), counted.view(2, 4), 0.5).flatten()[index]
+    torch.testing.assert_close(used, want)
+    torch.testing.assert_close(loss, (want * ce).sum(), atol=1e-5, rtol=1e-5)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    (want_grad,) = torch.autograd.grad((want * F.cross_entropy(
+        F.linear(hidden, weight, bias), labels, reduction="none")).sum(), hidden)  # fmt: skip
+    torch.testing.assert_close(grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_head_terms_confidence_is_the_labels_probability():
+    gen = torch.Generator().manual_seed(5)
+    hidden, labels = torch.randn(4, H, generator=gen), torch.randint(0, V, (4,), generator=gen)
+    weight, bias = _head()
+    _, confidence, hits, grads = head_terms(hidden, weight, bias, labels, None, "ce", 2, grad=False)
+    probs = F.softmax(F.linear(hidden, weight, bias), dim=-1)
+    torch.testing.assert_close(confidence, probs[torch.arange(4), labels])
+    assert torch.equal(hits, probs.argmax(-1) == labels) and grads is None
+
+
+def _reference(drafter, target, ids, loss_mask, docs, pos, anchors, how: Objective):
+    """The objective with a dense mask, full logits, and the target's own forward for the
+    distribution (its logits at p + k - 1), one document per row."""
+    bs = drafter.config.block_size
+    R, A = anchors.shape
+    slot = torch.arange(bs)
+    features = target_features(target, ids, pos, docs, drafter.config.target_layer_ids)
+    first = ids.gather(1, anchors.clamp(min=0))[:, :, None]
+    block_ids = torch.where(slot == 0, first, drafter.config.mask_token_id).flatten(1)
+    block_pos = (pos.gather(1, anchors.clamp(min=0))[:, :, None] + slot).flatten(1)
+    mask = build_block_mask(anchors, docs, bs, ids.shape[1])
+    hidden = drafter(block_ids, block_pos, features, pos, mask).view(R, A, bs, -1)
+    labels, counts = block_labels(ids, loss_mask, docs, anchors, bs)
+    log_q = F.log_softmax(drafter.logits(hidden).float(), dim=-1)
+    ce = -log_q.gather(-1, labels[..., None])[..., 0]
+    with torch.no_grad():
+        target_logits = target(input_ids=ids, position_ids=pos).logits.float()
+    before = (anchors[:, :, None] + slot - 1).clamp(min=0)
+    log_p = F.log_softmax(target_logits[torch.arange(R)[:, None, None], before], dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    per_label = {"ce": ce, "kl": kl, "ce+kl": ce + kl}[how.loss]
+    if how.position_weight == "decay":
+        weights = decay_weights(bs, 7.0).expand_as(ce) * counts
+    else:
+        confidence = torch.exp(-ce.detach()).flatten(0, 1)
+        weights = dpace_weights(confidence, counts.flatten(0, 1), how.dpace_alpha).view_as(ce)
+    return (weights * per_label)[counts].sum()
+
+
+@pytest.mark.parametrize(
+    "how", [Objective("kl", "decay"), Objective("ce+kl", "dpace", 0.3), Objective("ce", "dpace")]
+)
+def test_objective_options_equal_the_dense_reference(target, drafter, monkeypatch, how):
+    """Chunked loss, the target's last hidden state through the head, the two-part kernel and
+    D-PACE over the anchors laid end to end: as full logits, a dense mask and HF's own logits."""
+    monkeypatch.setattr(objective, "chunk_rows", lambda vocab_size, device: 5)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, 290, (2, 13), generator=gen)
+    docs, pos = torch.zeros(2, 13, dtype=torch.long), torch.arange(13).expand(2, 13)
+    loss_mask = torch.rand(2, 13, generator=gen) < 0.85
+    anchors = torch.tensor([[0, 3, 7], [2, 6, -1]])
+    ref = _reference(drafter, target, ids, loss_mask, docs, pos, anchors, how)
+    ref_grads = _drafter_grads(drafter, ref)
+    features = target_features(
+        target, ids, pos, docs, drafter.config.target_layer_ids, last=how.distills
+    )
+    out = dflash_objective(
+        drafter, features, ids, loss_mask, docs, pos, anchors, 7.0, flex=False, objective=how
+    )
+    grads = _drafter_grads(drafter, out.loss_sum)
+    torch.testing.assert_close(out.loss_sum, ref, atol=1e-4, rtol=1e-4)
+    if how.position_weight == "dpace":  # normalised by the label count
+        assert out.weight_sum == block_labels(ids, loss_mask, docs, anchors, BS)[1].sum()
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_rows_give_each_document_its_own_target_distribution(target, drafter):
+    """A packed row's last hidden state is each document's own: the kl loss equals the sum
+    over the documents run one per row."""
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randint(1, 290, (9,), generator=gen), torch.randint(1, 290, (8,), generator=gen)
+    how = Objective("kl", "decay")
+
+    def loss(ids, docs, pos, anchors):
+        mask = docs >= 0
+        feats = target_features(target, ids, pos, docs, drafter.config.target_layer_ids, last=True)
+        args = (drafter, feats, ids, mask, docs, pos, anchors, 7.0)
+        return dflash_objective(*args, flex=False, objective=how).loss_sum
+
+    with torch.no_grad():
+        packed = loss(
+            torch.cat([a, b])[None],
+            torch.tensor([[0] * 9 + [1] * 8]),
+            torch.tensor([list(range(9)) + list(range(8))]),
+            torch.tensor([[1, 4, 9, 12]]),
+        )
+        alone = loss(a[None], torch.zeros(1, 9, dtype=torch.long), torch.arange(9)[None],
+                     torch.tensor([[1, 4]])) + loss(b[None], torch.zeros(1, 8, dtype=torch.long),
+                     torch.arange(8)[None], torch.tensor([[0, 3]]))  # fmt: skip
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_objective_params_are_typed_and_default_to_the_paper():
+    o = ObjectiveConfig()
+    assert (o.loss, o.position_weight) == ("ce", "decay")
+    with pytest.raises(ValueError, match="loss"):
+        ObjectiveConfig(loss="jsd")
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        ObjectiveConfig(dpace_alpha=1.5)
