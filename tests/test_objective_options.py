@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_qwen3
 from test_model_objective import _drafter_grads
+from test_train import assert_kill_and_resume_is_bitwise
 
 from dflash.config import ObjectiveConfig
 from dflash.model import objective
@@ -234,3 +235,11 @@ def test_objective_params_are_typed_and_default_to_the_paper():
         ObjectiveConfig(loss="jsd")
     with pytest.raises(ValueError, match="dpace_alpha"):
         ObjectiveConfig(dpace_alpha=1.5)
+
+
+@pytest.mark.slow
+def test_kl_and_dpace_train_and_resume_exactly(tiny_workspace, tmp_path):
+    """Killed after a checkpoint and resumed, a run with the options ends bitwise where an
+    uninterrupted one does."""
+    knobs = ("train.checkpoint_every=1", "objective.loss=ce+kl", "objective.position_weight=dpace")
+    assert_kill_and_resume_is_bitwise(tiny_workspace, tmp_path, *knobs)
