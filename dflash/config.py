@@ -158,6 +158,15 @@ class DrafterConfig(Section):
     mask_token: str | None = Field(None, min_length=1)
     """An existing token the drafter fills blocks with (a reserved special token of a target
     with no spare embedding rows); None adds ``<|MASK|>`` to the tokenizer when missing."""
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = None
+    """Per drafter layer, full attention or attention within ``sliding_window`` positions
+    (counted inside a document); null = all full. Exported as ``layer_types``, as vLLM and
+    SGLang read it."""
+    sliding_window: Int | None = Field(None, ge=1)
+    """Positions a ``sliding_attention`` layer sees: key position > query position - window."""
+    causal: bool = False
+    """Block slots see only the slots at or before their own (exported as
+    ``dflash_config.causal``); false is the paper's bidirectional block."""
 
     @property
     def min_loss_tokens(self) -> int:
@@ -171,6 +180,19 @@ class DrafterConfig(Section):
             require(self.init_from is not None or getattr(self, key) is not None,
                     f"drafter.{key}", "null follows drafter.init_from, which is null: "
                     "set a number", None)  # fmt: skip
+        types = self.layer_types
+        if types is not None:
+            require(len(types) == self.num_hidden_layers, "drafter.layer_types",
+                    f"needs one entry per layer: drafter.num_hidden_layers = "
+                    f"{self.num_hidden_layers}", types)  # fmt: skip
+        sliding = "sliding_attention" in (types or [])
+        require(sliding == (self.sliding_window is not None), "drafter.sliding_window",
+                "is set exactly when drafter.layer_types holds sliding_attention",
+                self.sliding_window)  # fmt: skip
+        for key, default in (("layer_types", None), ("causal", False)):
+            require(self.init_from is None or getattr(self, key) == default, f"drafter.{key}",
+                    f"must be {default} with drafter.init_from: the checkpoint's layers are "
+                    "kept", getattr(self, key))  # fmt: skip
         return self
 
 

@@ -1,20 +1,27 @@
-"""The objective's options: KL to the target, ce+kl, D-PACE position weights."""
+"""The objective's options (KL to the target, ce+kl, D-PACE position weights) and the drafter's
+layer options (sliding-window and causal layers)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_qwen3
+from test_model_export import hub_modules  # noqa: F401  (a fixture)
 from test_model_objective import _drafter_grads
 from test_train import assert_kill_and_resume_is_bitwise
+from transformers import AutoModel
 
 from dflash.config import ObjectiveConfig
 from dflash.model import objective
 from dflash.model.distill import Objective, WeightedHeadLoss, dpace_weights, head_terms
-from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter import PAPER_RULE, DFlashDrafter, layer_rules, rule_masks
 from dflash.model.drafter_attention import build_block_mask
+from dflash.model.export import config_json, export_drafter, read_config
 from dflash.model.features import target_features
+from dflash.model.generate import greedy_generate
 from dflash.model.objective import block_labels, decay_weights, dflash_objective
 
 BS = 4
@@ -237,9 +244,145 @@ def test_objective_params_are_typed_and_default_to_the_paper():
         ObjectiveConfig(dpace_alpha=1.5)
 
 
+def _brute_force_mask(anchors, docs, pos, bs, window, causal):
+    """The rule pair by pair: the paper's (context strictly before the anchor in its document,
+    its own block) narrowed by the window in document positions and by causality."""
+    R, T = docs.shape
+    A = anchors.shape[1]
+    out = torch.zeros(R, A * bs, T + A * bs, dtype=torch.bool)
+    for r in range(R):
+        for a in range(A):
+            p = int(anchors[r, a])
+            if p < 0:
+                continue
+            for k in range(bs):
+                q = int(pos[r, p]) + k
+                for j in range(p):
+                    gap = q - int(pos[r, j])
+                    same = docs[r, j] == docs[r, p]
+                    near = window is None or gap < window
+                    out[r, a * bs + k, j] = bool(same) and near
+                for i in range(bs):
+                    ok = (not causal or i <= k) and (window is None or k - i < window)
+                    out[r, a * bs + k, T + a * bs + i] = ok
+    return out
+
+
+@pytest.mark.parametrize("window, causal", [(3, False), (5, True), (None, True)])
+def test_rule_masks_match_a_brute_force_rule_in_packed_rows(window, causal):
+    docs = torch.tensor([[0] * 9 + [1] * 7 + [-1] * 2, [0] * 12 + [1] * 6])
+    pos = torch.tensor([list(range(9)) + list(range(7)) + [0, 0], list(range(12)) + list(range(6))])
+    anchors = torch.tensor([[2, 7, 9, 12], [0, 5, 11, 13]])
+    block_pos = (pos.gather(1, anchors)[:, :, None] + torch.arange(BS)).flatten(1)
+    masks = rule_masks(None, {(window, causal)}, anchors, docs, BS, pos, block_pos)
+    want = _brute_force_mask(anchors, docs, pos, BS, window, causal)
+    assert masks[PAPER_RULE] is None and torch.equal(masks[(window, causal)], want)
+
+
+def _windowed(target, layer_types=("sliding_attention", "full_attention"), window=3, causal=True):
+    return DFlashDrafter.from_target(
+        target, block_size=BS, num_hidden_layers=len(layer_types), num_target_features=2,
+        mask_token_id=MASK, seed=2, layer_types=list(layer_types), sliding_window=window,
+        causal=causal,
+    )  # fmt: skip
+
+
+def test_layer_rules_follow_layer_types_window_and_causal(target, drafter):
+    assert layer_rules(drafter.config) == {PAPER_RULE}
+    windowed = _windowed(target)
+    assert layer_rules(windowed.config) == {(3, True), (None, True)}
+    back = read_config(config_json(windowed.config, target.config))
+    assert [back.attention_rule(i) for i in range(2)] == [(3, True), (None, True)]
+
+
+def test_a_window_counts_inside_each_document_of_a_packed_row(target):
+    """Packed, the sliding-window causal drafter's loss is the sum of its documents' alone,
+    with a window shorter than the documents."""
+    windowed = _windowed(target)
+    gen = torch.Generator().manual_seed(8)
+    a, b = torch.randint(1, 290, (10,), generator=gen), torch.randint(1, 290, (9,), generator=gen)
+
+    def loss(ids, docs, pos, anchors):
+        feats = target_features(target, ids, pos, docs, windowed.config.target_layer_ids)
+        args = (windowed, feats, ids, docs >= 0, docs, pos, anchors, 7.0)
+        return dflash_objective(*args, flex=False).loss_sum
+
+    with torch.no_grad():
+        packed = loss(
+            torch.cat([a, b])[None],
+            torch.tensor([[0] * 10 + [1] * 9]),
+            torch.tensor([list(range(10)) + list(range(9))]),
+            torch.tensor([[2, 5, 10, 14]]),
+        )
+        alone = loss(a[None], torch.zeros(1, 10, dtype=torch.long), torch.arange(10)[None],
+                     torch.tensor([[2, 5]])) + loss(b[None], torch.zeros(1, 9, dtype=torch.long),
+                     torch.arange(9)[None], torch.tensor([[0, 4]]))  # fmt: skip
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
+
+
+def test_a_sliding_window_drafter_exports_its_layers_and_decodes_losslessly(
+    target,
+    tmp_path,
+    hub_modules,  # noqa: F811
+):
+    windowed = _windowed(target)
+    export_drafter(windowed, tmp_path / "drafter", target.config)
+    config = json.loads((tmp_path / "drafter/config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["sliding_window"] == 3 and config["use_sliding_window"] is True
+    assert config["dflash_config"]["causal"] is True
+    model = AutoModel.from_pretrained(
+        tmp_path / "drafter", trust_remote_code=True, local_files_only=True
+    ).eval()
+    # The shipped dflash.py applies the trained rule: its drafts are the trainer's, whose
+    # training mask over one anchor at the context's end is the same attention.
+    torch.manual_seed(0)
+    features, block = torch.randn(1, 7, 2 * 32), torch.randint(0, 300, (1, BS))
+    positions = torch.arange(7 + BS)[None]
+    docs = torch.zeros(1, 7 + BS, dtype=torch.long)
+    anchors = torch.tensor([[7]])
+    masks = rule_masks(None, layer_rules(windowed.config), anchors, docs, BS, positions,
+                       positions[:, 7:])  # fmt: skip
+    padded = torch.cat([features, torch.zeros(1, BS, 2 * 32)], dim=1)
+    with torch.no_grad():
+        theirs = model(target.get_input_embeddings()(block), features, positions)
+        cached = windowed(block, positions[:, 7:], features, positions[:, :7])
+        trained = windowed(block, positions[:, 7:], padded, positions, masks)
+    torch.testing.assert_close(theirs, cached)
+    torch.testing.assert_close(theirs, trained)
+    for prompt in ([5], [1, 2, 3], [7, 250, 7, 250, 7]):
+        reference = greedy_generate(target, prompt, 20)
+        out = model.spec_generate(
+            target=target, input_ids=torch.tensor([prompt]), max_new_tokens=20
+        )
+        assert out[0, len(prompt) :].tolist() == reference
+
+
+def test_drafter_layer_params_are_checked():
+    from dflash.config import DrafterConfig
+
+    DrafterConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                  sliding_window=8, causal=True)  # fmt: skip
+    with pytest.raises(ValueError, match="drafter.layer_types"):
+        DrafterConfig(num_hidden_layers=2, layer_types=["full_attention"])
+    with pytest.raises(ValueError, match="drafter.sliding_window"):
+        DrafterConfig(num_hidden_layers=1, layer_types=["sliding_attention"])
+    with pytest.raises(ValueError, match="drafter.sliding_window"):
+        DrafterConfig(num_hidden_layers=1, sliding_window=4)
+    with pytest.raises(ValueError, match="layer_types"):
+        DrafterConfig(num_hidden_layers=1, layer_types=["local"], sliding_window=4)
+
+
 @pytest.mark.slow
-def test_kl_and_dpace_train_and_resume_exactly(tiny_workspace, tmp_path):
+def test_kl_dpace_and_sliding_window_train_and_resume_exactly(tiny_workspace, tmp_path):
     """Killed after a checkpoint and resumed, a run with the options ends bitwise where an
     uninterrupted one does."""
-    knobs = ("train.checkpoint_every=1", "objective.loss=ce+kl", "objective.position_weight=dpace")
+    knobs = (
+        "train.checkpoint_every=1",
+        "objective.loss=ce+kl",
+        "objective.position_weight=dpace",
+        "drafter.layer_types=[sliding_attention]",
+        "drafter.sliding_window=8",
+        "drafter.causal=true",
+    )
     assert_kill_and_resume_is_bitwise(tiny_workspace, tmp_path, *knobs)

@@ -24,10 +24,22 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash.model import hf_files, remote
-from dflash.model.drafter_attention import AnchorBlocks, BlockMask, attend
+from dflash.model.drafter_attention import AnchorBlocks, BlockMask, attend, build_block_mask
 from dflash.model.export import config_json, read_config
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
-from dflash.model.remote import Attention, DFlashDraftConfig, DraftModules, Layer, rope, rope_theta
+from dflash.model.remote import (
+    Attention,
+    DFlashDraftConfig,
+    DraftModules,
+    Layer,
+    rope,
+    rope_theta,
+    visible,
+)
+
+Rule = tuple[int | None, bool]
+"""A layer's attention window (None: full) and causality (``DFlashDraftConfig.attention_rule``)."""
+PAPER_RULE: Rule = (None, False)
 
 
 def drafter_autocast(device: torch.device) -> contextlib.AbstractContextManager:
@@ -55,6 +67,37 @@ class ContextCache:
         return k, v
 
 
+class RuleMasks(dict):
+    """The training masks of a drafter whose layers differ in window or causality, by
+    :data:`Rule`: each layer attends under its own."""
+
+
+def layer_rules(config: DFlashDraftConfig) -> set[Rule]:
+    """The attention rules a drafter's layers use."""
+    return {config.attention_rule(i) for i in range(config.num_hidden_layers)}
+
+
+def rule_masks(
+    mask: AnchorBlocks | BlockMask | Tensor,
+    rules: set[Rule],
+    anchors: Tensor,
+    document_ids: Tensor,
+    block_size: int,
+    position_ids: Tensor,
+    block_positions: Tensor,
+) -> RuleMasks:
+    """The training rule ``mask`` for full, bidirectional layers and, for every other rule, the
+    rule as a dense mask narrowed by it (:func:`~dflash.model.remote.visible`): the window
+    counts in positions, which restart at each document, so packed rows stay exact."""
+    masks = RuleMasks({PAPER_RULE: mask})
+    T = position_ids.shape[1]
+    dense = build_block_mask(anchors, document_ids, block_size, T)
+    keys = torch.cat([position_ids, block_positions], dim=1)
+    for rule in rules - {PAPER_RULE}:
+        masks[rule] = dense & visible(block_positions, keys, *rule)
+    return masks
+
+
 class TrainingAttention(Attention):
     """The shipped attention under the training rule: context and block keys stay apart, so
     many blocks share one row's context, and generation can cache the context's."""
@@ -65,14 +108,22 @@ class TrainingAttention(Attention):
         context: Tensor,
         rope_block: tuple[Tensor, Tensor],
         rope_context: tuple[Tensor, Tensor],
-        mask: AnchorBlocks | BlockMask | Tensor | None,
+        mask: AnchorBlocks | BlockMask | Tensor | RuleMasks | None,
         cache: ContextCache | None,
+        block_positions: Tensor,
     ) -> Tensor:
         q = self.queries(x, *rope_block)
         block = self.keys_values(x, *rope_block)
         context_kv = self.keys_values(context, *rope_context)
         if cache is not None:
             context_kv = cache.extend(self.layer, *context_kv)
+        rule = (self.window, self.causal)
+        if isinstance(mask, RuleMasks):
+            mask = mask[rule]
+        elif mask is None and rule != PAPER_RULE:  # generation: the context is positions 0..C-1
+            keys = torch.arange(context_kv[0].shape[2], device=x.device).expand(x.shape[0], -1)
+            keys = torch.cat([keys, block_positions], dim=1)
+            mask = visible(block_positions, keys, *rule)
         out = attend(q, context_kv, block, mask, scale=self.d**-0.5)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
@@ -117,6 +168,9 @@ class DFlashDrafter(DraftModules, nn.Module):
         mask_token_id: int,
         mask_token: str | None = None,
         seed: int = 0,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        causal: bool = False,
     ) -> DFlashDrafter:
         """A freshly initialised drafter (seeded, global RNG untouched) sized like ``target``.
 
@@ -131,6 +185,12 @@ class DFlashDrafter(DraftModules, nn.Module):
         }
         if mask_token is not None:
             dflash["mask_token"] = mask_token
+        if causal or sliding_window is not None:  # written out: some vLLM builds assume
+            dflash["causal"] = causal  # sliding layers causal where the key is missing
+        windows = {}
+        if layer_types is not None:
+            windows = dict(layer_types=list(layer_types), sliding_window=sliding_window,
+                           use_sliding_window=sliding_window is not None)  # fmt: skip
         config = DFlashDraftConfig(
             block_size=block_size,
             num_hidden_layers=num_hidden_layers,
@@ -144,6 +204,7 @@ class DFlashDrafter(DraftModules, nn.Module):
             rms_norm_eps=tc.rms_norm_eps,
             rope_theta=rope_theta(tc),
             dflash_config=dflash,
+            **windows,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -250,7 +311,7 @@ class DFlashDrafter(DraftModules, nn.Module):
         rope_block = rope(block_positions, c.head_dim, c.theta)
         rope_context = rope(context_positions, c.head_dim, c.theta)
         for layer in self.layers:
-            args = (x, context, rope_block, rope_context, mask, cache)
+            args = (x, context, rope_block, rope_context, mask, cache, block_positions)
             if self.recompute and torch.is_grad_enabled():
                 x = checkpoint(layer, *args, use_reentrant=False)
             else:

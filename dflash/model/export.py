@@ -43,8 +43,8 @@ DRAFTER_KEYS = (
     "rms_norm_eps",
 )
 """The drafter's own top-level ``config.json`` keys besides ``rope_theta``, in written order."""
-DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "mask_token")
-"""The keys under ``dflash_config``; ``mask_token`` only where the run names one."""
+DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "mask_token", "causal")
+"""The keys under ``dflash_config``; ``mask_token`` and ``causal`` only where the run sets them."""
 DEFAULT_MAX_POSITIONS = 32768
 """Rope cache size SGLang assumes when ``max_position_embeddings`` is missing."""
 
@@ -96,11 +96,16 @@ def read_config(data: dict) -> DFlashDraftConfig:
     """The config a drafter was built with, from its ``config.json``; serving keys are left out."""
     dflash = data.get("dflash_config", {})
     missing = [key for key in (*DRAFTER_KEYS, "rope_theta") if key not in data]
-    missing += [key for key in DFLASH_KEYS if key != "mask_token" and key not in dflash]
+    missing += [key for key in DFLASH_KEYS[:2] if key not in dflash]
     if missing:
         raise ValueError(f"drafter config.json lacks {sorted(missing)}")
+    windows = {}
+    if data.get("sliding_window") is not None:
+        windows = {key: data[key] for key in ("layer_types", "sliding_window")}
     return DFlashDraftConfig(
         **{key: data[key] for key in DRAFTER_KEYS},
+        **windows,
+        use_sliding_window=bool(windows),
         rope_theta=data["rope_theta"],
         dflash_config={key: dflash[key] for key in DFLASH_KEYS if dflash.get(key) is not None},
     )
@@ -117,9 +122,9 @@ def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | No
         "dtype": _dtype_name(dtype),
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
         "auto_map": auto_map(),
-        "layer_types": ["full_attention"] * n,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        "layer_types": list(getattr(config, "layer_types", None) or ["full_attention"] * n),
+        "use_sliding_window": getattr(config, "sliding_window", None) is not None,
+        "sliding_window": getattr(config, "sliding_window", None),
         "max_window_layers": n,
         "attention_dropout": 0.0,
         "initializer_range": config.initializer_range,

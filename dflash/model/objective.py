@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.model.distill import PAPER, Objective, WeightedHeadLoss
-from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter import PAPER_RULE, DFlashDrafter, layer_rules, rule_masks
 from dflash.model.drafter_attention import AnchorBlocks, build_attention_mask, flex_available
 
 
@@ -319,6 +319,11 @@ def dflash_objective(
         mask = plan.blocks
     else:
         mask = build_attention_mask(anchors, document_ids, bs, T, flex)
+    rules = layer_rules(drafter.config)
+    if rules != {PAPER_RULE}:
+        mask = rule_masks(
+            mask, rules, anchors, document_ids, bs, position_ids, block_positions.flatten(1)
+        )
     hidden = drafter(block_ids.flatten(1), block_positions.flatten(1), features, position_ids, mask)
     labels, _ = _gather_blocks(input_ids, anchors, bs)
     weight, bias = drafter.head()

@@ -53,6 +53,25 @@ class DFlashDraftConfig(Qwen3Config):
     def theta(self) -> float:
         return rope_theta(self)
 
+    def attention_rule(self, layer: int) -> tuple[int | None, bool]:
+        """Drafter layer ``layer``'s window (None: full attention) and causality, from
+        ``layer_types``, ``sliding_window`` and ``dflash_config.causal`` as vLLM reads them."""
+        types = getattr(self, "layer_types", None) or []
+        sliding = layer < len(types) and types[layer] == "sliding_attention"
+        return (self.sliding_window if sliding else None), bool(self.dflash.get("causal", False))
+
+
+def visible(queries: Tensor, keys: Tensor, window: int | None, causal: bool) -> Tensor:
+    """``[B, Q, K]``: where a query at position ``queries [B, Q]`` may see a key at ``keys
+    [B, K]`` under a layer's window and causality (positions count inside a document)."""
+    gap = queries[:, :, None] - keys[:, None, :]
+    seen = torch.ones_like(gap, dtype=torch.bool)
+    if causal:
+        seen &= gap >= 0
+    if window is not None:
+        seen &= gap < window
+    return seen
+
 
 def rope(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos and sin ``[B, L, head_dim]`` of absolute positions (the Qwen / Llama layout), in fp32."""
@@ -77,6 +96,7 @@ class Attention(nn.Module):
         super().__init__()
         hidden, d = config.hidden_size, config.head_dim
         self.layer = layer
+        self.window, self.causal = config.attention_rule(layer)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.d = d
         self.q_proj = nn.Linear(hidden, self.heads * d, bias=False)
@@ -98,13 +118,18 @@ class Attention(nn.Module):
         k = rotate(self.k_norm(k).to(k.dtype).transpose(1, 2), cos, sin)
         return k, self.split(self.v_proj(x), self.kv_heads).transpose(1, 2)
 
-    def forward(self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, context: Tensor, cos: Tensor, sin: Tensor, positions: Tensor
+    ) -> Tensor:
         q_len = x.shape[1]
         q = self.queries(x, cos[:, -q_len:], sin[:, -q_len:])
         k, v = self.keys_values(torch.cat([context, x], dim=1), cos, sin)
         groups = self.heads // self.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, scale=self.d**-0.5)
+        mask = None
+        if self.window is not None or self.causal:
+            mask = visible(positions[:, -q_len:], positions, self.window, self.causal)[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.d**-0.5)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 
@@ -195,7 +220,7 @@ class DFlashDraftModel(DraftModules, PreTrainedModel):
         cos, sin = rope(position_ids, self.config.head_dim, self.config.theta)
         x = noise_embedding.to(self.fc.weight.dtype)
         for layer in self.layers:
-            x = layer(x, context, cos, sin)
+            x = layer(x, context, cos, sin, position_ids)
         return self.norm(x)
 
     def features(self, hidden_states: tuple[Tensor, ...]) -> Tensor:

@@ -122,7 +122,8 @@ def build_drafter(
         drafter = DFlashDrafter.from_target(
             target, block_size=d.block_size, num_hidden_layers=d.num_hidden_layers,
             num_target_features=d.num_target_features, mask_token_id=tokenizer.mask_token_id,
-            mask_token=tokenizer.mask_token, seed=seed,
+            mask_token=tokenizer.mask_token, seed=seed, layer_types=d.layer_types,
+            sliding_window=d.sliding_window, causal=d.causal,
         )  # fmt: skip
         return drafter, sources
     config = checkpoint.drafter_config(shape.depth, tokenizer.mask_token)
