@@ -181,7 +181,8 @@ class Trainer:
         """The held-out batch for τ; a decoupled drafter rank gets its target part sent."""
         layout, c = self.placement.layout, self.config
         if layout is not None:
-            row = receive_row(layout, self.features.width, self.features.dtype, self.ctx.device)
+            width = len(self.layer_ids) * self.target.config.hidden_size  # features only
+            row = receive_row(layout, width, self.features.dtype, self.ctx.device)
             return SimulatedTau.from_row(row, self.drafter, self.autocast)
         options = dict(c.data.chat_template_kwargs)
         return SimulatedTau.build(
