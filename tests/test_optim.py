@@ -4,15 +4,19 @@ and the combinations refused."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
-from conftest import tiny_qwen3
+from conftest import run_stages, tiny_qwen3
+from safetensors.torch import load_file
 
 from dflash.config import TrainConfig
 from dflash.errors import ConfigError
 from dflash.model.drafter import DFlashDrafter
 from dflash.params import load_config
+from dflash.train import checkpoint
+from dflash.train.dcp_safe import SafeReader
 from dflash.train.optim import Optimization, decay_steps, muon_split, warmup_steps
 
 TOTAL, PEAK = 40, 1.0e-3
@@ -115,3 +119,40 @@ def test_muon_steps_follow_the_schedule():
 def test_refused_combinations_name_the_key(sets, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("params.yaml", sets)
+
+
+class Interrupted(Exception):
+    """Stands for a kill right after a checkpoint is written."""
+
+
+@pytest.mark.slow
+def test_muon_trains_and_resumes_exactly(tiny_workspace, tmp_path, monkeypatch, capsys):
+    sets = ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1"]
+    sets += ["train.optimizer=muon", "train.schedule=wsd", "train.warmup_steps=1"]
+    run_stages(tiny_workspace, ["plan"], sets)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tiny_workspace, resumed)
+    run_stages(tiny_workspace, ["train"], sets)
+    whole = load_file(tiny_workspace / "models/drafter/model.safetensors")
+
+    save = checkpoint.save_checkpoint
+
+    def save_then_die(directory, step, *args, **kwargs):
+        save(directory, step, *args, **kwargs)
+        if step == 3:
+            raise Interrupted
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
+    with pytest.raises(Interrupted):
+        run_stages(resumed, ["train"], sets)
+    (run,) = checkpoint.run_directories(resumed / "checkpoints")
+    index = SafeReader(checkpoint.list_checkpoints(run)[0]).read_metadata().state_dict_metadata
+    assert any("momentum_buffer" in key for key in index), "Muon's state is checkpointed"
+    capsys.readouterr()
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save)
+    run_stages(resumed, ["train"], sets)
+    assert "resumed at epoch 0 step 3" in capsys.readouterr().out
+    again = load_file(resumed / "models/drafter/model.safetensors")
+    assert whole.keys() == again.keys()
+    for name in whole:
+        assert torch.equal(whole[name], again[name]), name
