@@ -257,11 +257,22 @@ class TrainConfig(Section):
     grad_accum: Int = Field(1, ge=1)
     """Micro-batches per rank per optimizer step."""
     lr: Float = Field(6.0e-4, ge=0.0)
-    """Peak AdamW learning rate (cosine schedule after warm-up)."""
+    """Peak learning rate, shaped by ``schedule``; Muon's steps are scaled to AdamW's update
+    size, so one rate serves both."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw for every weight; muon: Muon for the 2-D weights of the drafter's layers, AdamW
+    for the input projection ``fc`` and the norms (``dflash.train.optim``). Not with fsdp."""
+    schedule: Literal["cosine", "wsd", "linear", "constant"] = "cosine"
+    """The learning rate after warm-up: cosine to 0; wsd holds the peak, then falls linearly
+    to 0 over the last ``decay_ratio`` of the steps; linear to 0; constant."""
     warmup_ratio: Float = Field(0.04, ge=0.0, le=1.0)
     """Share of the steps spent warming the learning rate up linearly."""
+    warmup_steps: Int | None = Field(None, ge=0)
+    """Warm-up in optimizer steps, in place of ``warmup_ratio``; null = use the ratio."""
+    decay_ratio: Float = Field(0.2, ge=0.0, le=1.0)
+    """wsd: share of the run's steps spent decaying, at its end (after the warm-up)."""
     weight_decay: Float = Field(0.0, ge=0.0)
-    """AdamW weight decay."""
+    """Decoupled weight decay (AdamW's and Muon's)."""
     betas: tuple[Float, Float] = Field((0.9, 0.95), strict=False)
     """AdamW betas."""
     clip_grad: Float = Field(1.0, ge=0.0)
@@ -304,6 +315,13 @@ class TrainConfig(Section):
         for i, beta in enumerate(betas):
             require(0.0 <= beta < 1.0, f"train.betas[{i}]", "must be in [0, 1)", float(beta))
         return betas
+
+    @model_validator(mode="after")
+    def _choices(self) -> TrainConfig:
+        require(self.optimizer != "muon" or self.parallelism != "fsdp", "train.optimizer",
+                "muon needs whole weight matrices; train.parallelism = 'fsdp' shards them: use "
+                "'adamw' or train.parallelism = 'ddp'", self.optimizer)  # fmt: skip
+        return self
 
 
 SET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"

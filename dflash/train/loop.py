@@ -16,7 +16,6 @@ import time
 from typing import Any
 
 import torch
-from transformers import get_cosine_schedule_with_warmup
 
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
@@ -43,6 +42,7 @@ from dflash.train.feature_server import receive_row, serve
 from dflash.train.files import Declared, TrainFiles, weight_inputs
 from dflash.train.init_drafter import build_drafter
 from dflash.train.monitor import Monitor
+from dflash.train.optim import Optimization
 from dflash.train.parallel import (
     borrowed_unsharded,
     clip_grad_norm,
@@ -50,7 +50,7 @@ from dflash.train.parallel import (
     sharded,
     wrap_drafter,
 )
-from dflash.train.parts import ModelPart, OptimizerPart, full_model_state
+from dflash.train.parts import ModelPart, full_model_state
 from dflash.train.pilot import epoch_limits, projected_hours
 from dflash.train.plan_check import check_epoch_file, check_plan
 from dflash.train.simulated import SimulatedTau
@@ -122,18 +122,8 @@ class Trainer:
         )  # fmt: skip
         self.model = wrap_drafter(self.drafter, ctx, t.parallelism)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=t.lr,
-            betas=t.betas,
-            weight_decay=t.weight_decay,
-            fused=ctx.device.type == "cuda",
-        )
-        self.scheduler = get_cosine_schedule_with_warmup(
-            self.optimizer,
-            num_warmup_steps=math.ceil(t.warmup_ratio * self.total_steps),
-            num_training_steps=self.total_steps,
-        )
+        fused = ctx.device.type == "cuda"
+        self.optim = Optimization.build(self.drafter, t, self.total_steps, fused)
         self.autocast = (
             torch.autocast("cuda", dtype=torch.bfloat16)
             if ctx.device.type == "cuda"
@@ -152,8 +142,7 @@ class Trainer:
         self.parts = {
             "train_state": self.state,
             "drafter": ModelPart(self.drafter),
-            "optimizer": OptimizerPart(self.drafter, self.optimizer),
-            "scheduler": self.scheduler,
+            **self.optim.parts(self.drafter),
         }
         if (
             checkpoint.resume(ctx, self.parts, self.fingerprint, self.run_dir) is not None
@@ -354,15 +343,15 @@ class Trainer:
             self.objective,
         )
         grad_norm = clip_grad_norm(self.params, c.train.clip_grad)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optim.lr
         finite = math.isfinite(totals.loss) and math.isfinite(grad_norm) and totals.weight > 0
         if finite:
-            self.optimizer.step()
+            self.optim.step()
             self.state.nonfinite_in_a_row = 0
         else:
             self._skip_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        self.optim.zero_grad()
+        self.optim.schedule_step()
         return {**totals._asdict(), "finite": finite, "grad_norm": grad_norm, "lr": lr}
 
     def _skip_step(self) -> None:

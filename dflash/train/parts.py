@@ -37,7 +37,10 @@ class ModelPart:
 class OptimizerPart:
     """``Stateful`` view of an optimizer's state, keyed by parameter names, not positions."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]
+    ) -> None:
+        """``optimizer``: one, or several over disjoint parameters (saved as one state)."""
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
