@@ -8,7 +8,9 @@ check fails. The kernel checks run in this process; the pipeline checks build a 
 in a temporary directory and train it under ``torchrun --nproc_per_node 1``: DDP with
 checkpoints, FSDP against DDP, SIGKILL and resume, then ``evaluate``. Twelve steps of varied
 shapes count host reads per micro-batch and report memory and MFU on the device. ``make test`` runs
-``--smoke``, so the script cannot rot on machines without a GPU.
+``--smoke``, so the script cannot rot on machines without a GPU. ``--engine-url URL
+--engine-target DIR`` also compares a vLLM ``extract_hidden_states`` server's features with
+colocated ones (docs/engines.md).
 """
 
 from __future__ import annotations
@@ -353,6 +355,34 @@ def step_flops(target, drafter, mb) -> float:
     return 2 * params * mb.padded_tokens + 6 * drafter_params * slots + 6 * head * slots
 
 
+# ---------------------------------------------------------------- engine check
+def engine_checks(url: str, target_dir: str, n_features: int) -> list[Check]:
+    """A vLLM ``extract_hidden_states`` server's features of a few documents against the same
+    target's colocated ones (docs/engines.md): the relative error of bf16 engines' states."""
+    import torch
+
+    from dflash.model.features import target_features
+    from dflash.model.hidden_states import EngineClient, engine_layer_ids, hidden_transfer
+    from dflash.model.layer_ids import target_layer_ids
+    from dflash.model.load import load_target
+
+    target = load_target(target_dir, device="cuda" if torch.cuda.is_available() else "cpu")
+    text = target.config.get_text_config()
+    layers = target_layer_ids(text.num_hidden_layers, n_features)
+    dtype = target.get_input_embeddings().weight.dtype
+    client = EngineClient([url], hidden_transfer("file"), len(layers), text.hidden_size, dtype)
+    worst = 0.0
+    for length in (17, 300, 2048):
+        ids = torch.randint(100, min(text.vocab_size, 30000), (1, length))
+        served = client.states(ids[0].tolist(), f"a {length}-token document").float()
+        ids = ids.to(target.device)
+        positions = torch.arange(length, device=target.device)[None]
+        ours = target_features(target, ids, positions, ids * 0, layers)[0].float().cpu()
+        worst = max(worst, float((served - ours).norm() / ours.norm()))
+    note = f"layers {layers}, served as {engine_layer_ids(layers)}"
+    return [Check(f"engine_features_rel_error ({note})", worst, "< 0.02", worst < 0.02)]
+
+
 # ---------------------------------------------------------------- driver
 def run_all(groups: dict[str, Callable[[], list[Check]]]) -> int:
     failed = 0
@@ -371,6 +401,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs without a GPU")
     parser.add_argument("--keep", action="store_true", help="keep the temporary workspaces")
+    parser.add_argument("--engine-url", help="a vLLM extract_hidden_states server's /v1 URL")
+    parser.add_argument("--engine-target", help="the model directory that server serves")
+    parser.add_argument("--engine-features", type=int, default=5, help="layers it extracts")
     args = parser.parse_args()
     import torch
 
@@ -379,13 +412,16 @@ def main() -> int:
         return 1
     root = Path(tempfile.mkdtemp(prefix="dflash-acceptance-"))
     try:
-        return run_all(
-            {
-                "kernels": lambda: kernel_checks(args.smoke),
-                "steps": lambda: step_checks(args.smoke),
-                "pipeline": lambda: pipeline_checks(root, args.smoke),
-            }
-        )
+        groups = {
+            "kernels": lambda: kernel_checks(args.smoke),
+            "steps": lambda: step_checks(args.smoke),
+            "pipeline": lambda: pipeline_checks(root, args.smoke),
+        }
+        if args.engine_url:
+            groups["engine"] = lambda: engine_checks(
+                args.engine_url, args.engine_target, args.engine_features
+            )
+        return run_all(groups)
     finally:
         if args.keep:
             print(f"workspaces kept in {root}", file=sys.stderr)

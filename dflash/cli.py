@@ -37,6 +37,8 @@ HELP = {
     "tokenize": "render the chats with the template into a token store with loss masks",
     "stats": "sample length statistics and the bucket boundaries each method would choose",
     "plan": "plan every epoch's micro-batches with batching.strategy and score their padding",
+    "capture": "write every training sample's target features once to data/features/ "
+    "(train.features files; otherwise only a manifest), saying their size first",
     "train": "train the drafter on the target's hidden states over the planned batches "
     "(torchrun, train.world_size ranks), then export it with its model card to models/drafter",
     "evaluate": "decode prompts greedily and with the drafter: tau, speedups against n-gram "

@@ -300,14 +300,27 @@ class TrainConfig(Section):
     """ddp: every rank holds the whole target and drafter; fsdp: both sharded per layer
     (``dflash.train.parallel``), for targets larger than one device. Decoupled, fsdp shards
     the target over the target ranks and the drafter over the drafter ranks."""
-    topology: Literal["colocated", "decoupled"] = "colocated"
+    topology: Literal["colocated", "decoupled", "engine"] = "colocated"
     """colocated: every rank runs the target and trains the drafter; decoupled: ``target_ranks``
     more ranks run only the target and send its features to the ``world_size`` drafter ranks
-    (``dflash.train.topology``). The same plan, the same losses up to float order."""
+    (``dflash.train.topology``); engine: serving engines (vLLM's ``extract_hidden_states``,
+    the ``engine`` section) compute them (``dflash.train.engine``). The same plan, the same
+    losses up to float order."""
+    features: Literal["target", "files"] = "target"
+    """target: a target forward per micro-batch (where ``topology`` says); files: read the
+    features the ``capture`` stage wrote once to ``data/features/``, so an experiment that
+    changes only batching or training runs no target forward."""
     target_ranks: int_at_most(MAX_RANKS) = Field(1, ge=1)
     """Ranks that run the frozen target when decoupled; the job has world_size + target_ranks."""
     feature_prefetch: Int = Field(2, ge=1)
     """Micro-batches of features in flight per drafter rank when decoupled."""
+
+    @model_validator(mode="after")
+    def _features(self) -> TrainConfig:
+        require(self.features != "files" or self.topology != "decoupled", "train.features",
+                 "files needs no target ranks: use train.topology colocated or engine",
+                 self.features)  # fmt: skip
+        return self
 
     @field_validator("betas")
     @classmethod
@@ -322,6 +335,24 @@ class TrainConfig(Section):
                 "muon needs whole weight matrices; train.parallelism = 'fsdp' shards them: use "
                 "'adamw' or train.parallelism = 'ddp'", self.optimizer)  # fmt: skip
         return self
+
+
+class EngineConfig(Section):
+    """Serving engines that compute the target's hidden states (``train.topology: engine``, or
+    the ``capture`` stage's producer): vLLM started with the ``extract_hidden_states``
+    speculative method and an hs-connectors connector (docs/engines.md)."""
+
+    endpoints: list[Annotated[str, Field(pattern=r"^https?://")]] = []
+    """Base URLs of the servers, e.g. ``http://127.0.0.1:8000/v1``: a run knob."""
+    backend: Literal["file", "mooncake"] = "file"
+    """How the states travel (the connector the servers run): file, safetensors files on a
+    filesystem shared with the servers; mooncake, a Mooncake store (needs its package)."""
+    model: str | None = None
+    """The served model name sent with each request; None sends none (one served model)."""
+    timeout_s: Float = Field(120.0, gt=0.0)
+    """Seconds one document's request and its file may take before a retry: a run knob."""
+    max_retries: Int = Field(3, ge=0)
+    """Retries of a failed document, on the next endpoint, before the run stops: a run knob."""
 
 
 SET_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -414,6 +445,7 @@ class Config(BaseModel):
     objective: ObjectiveConfig = ObjectiveConfig()
     batching: BatchingConfig = BatchingConfig()
     train: TrainConfig = TrainConfig()
+    engine: EngineConfig = EngineConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
     logging: LoggingConfig = LoggingConfig()
@@ -423,6 +455,13 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _across(self) -> Config:
         """Rules that tie two sections together."""
+        require(self.train.topology != "engine" or bool(self.engine.endpoints),
+                 "engine.endpoints", "train.topology engine needs at least one URL, e.g. "
+                 "[http://127.0.0.1:8000/v1]", self.engine.endpoints)  # fmt: skip
+        by_document = self.train.topology == "engine" or self.train.features == "files"
+        require(not by_document or self.objective.loss == "ce", "objective.loss",
+                 "kl needs the target's last hidden state, which engine and files features do "
+                 "not carry: use ce with them", self.objective.loss)  # fmt: skip
         seq, budget, block = self.data.max_seq_len, self.batching.token_budget, self.drafter
         hold = f"must be below data.max_seq_len = {seq}, which must also hold the prompt"
         answers = [("regenerate", self.regenerate), ("evaluate", self.evaluate)]

@@ -256,6 +256,9 @@ class TrainDetails(Metrics):
     simulated_tau_cost: float
     skipped_steps: int
     steps: int
+    target_forwards: int | None = None
+    """Target forwards the run's features took: one per micro-batch in process or on target
+    ranks, one per document on engines, 0 from the capture stage's files."""
     target_idle_fraction: float
     tokens_per_s: float
     train_seconds: float

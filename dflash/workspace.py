@@ -69,6 +69,11 @@ class Workspace:
     stats_buckets = _at(
         "data/stats/buckets.json", "Bucket edges by every method; training's length classes."
     )
+    features = _at(
+        "data/features",
+        "The target's features per sample, in hs-connectors' file format (:mod:`dflash.train."
+        "capture`), or only its manifest.",
+    )
     plans = _at("data/plans", "Every epoch's plan (:mod:`dflash.batching.io`).")
     plan_metrics = _at(
         "metrics/plan.json",

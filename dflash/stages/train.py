@@ -57,6 +57,7 @@ def train_files(workspace: Workspace, config: Config) -> TrainFiles:
         init=None if init is None else w.root / init,
         steps=w.train_steps,
         buckets=w.stats_buckets,
+        features=w.features,
     )
 
 

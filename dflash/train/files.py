@@ -37,6 +37,8 @@ class TrainFiles:
     """Every finite step's loss and mean sample length, as CSV, written at the end."""
     buckets: Path | None = None
     """The stats stage's ``buckets.json``: the length classes the loss is plotted by."""
+    features: Path | None = None
+    """The capture stage's features, read with ``train.features: files``."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,15 @@ from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loa
 from dflash.train.borrowed import load_borrowed
 from dflash.train.clock import StepClock
 from dflash.train.composition import class_name, length_classes
-from dflash.train.distributed import Dist, barrier, from_rank_zero, init_distributed, shutdown
+from dflash.train.distributed import (
+    Dist,
+    all_reduce_sum,
+    barrier,
+    from_rank_zero,
+    init_distributed,
+    shutdown,
+)
+from dflash.train.engine import by_document, document_features
 from dflash.train.feature_server import receive_row, serve
 from dflash.train.files import Declared, TrainFiles, weight_inputs
 from dflash.train.init_drafter import build_drafter
@@ -116,9 +124,13 @@ class Trainer:
         self.layer_ids = self.drafter.config.target_layer_ids
         t = config.train
         self.objective = objective_of(config)
-        self.features = feature_source(
-            self.placement, self.target, self.layer_ids, t.feature_prefetch,
-            last=self.objective.distills,
+        self.features = (
+            document_features(config, files, ctx, self.target, self.layer_ids)
+            if by_document(t)
+            else feature_source(
+                self.placement, self.target, self.layer_ids, t.feature_prefetch,
+                last=self.objective.distills,
+            )
         )  # fmt: skip
         self.model = wrap_drafter(self.drafter, ctx, t.parallelism)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -160,7 +172,7 @@ class Trainer:
         neither a device nor a rank's host memory ever holds it whole. A decoupled drafter rank
         holds only the parts the drafter borrows.
         """
-        if self.placement.layout is not None:
+        if self.placement.layout is not None or by_document(self.config.train):
             return load_borrowed(self.files.target, self.ctx.device, target_device_dtype()[1])
         if not sharded(self.ctx, self.config.train.parallelism):
             return load_target(self.files.target, device=self.ctx.device)
@@ -169,6 +181,8 @@ class Trainer:
     def _simulated(self, tokenizer) -> SimulatedTau | None:
         """The held-out batch for τ; a decoupled drafter rank gets its target part sent."""
         layout, c = self.placement.layout, self.config
+        if by_document(c.train):
+            return None  # no target here to write the batch's answers
         if layout is not None:
             width = len(self.layer_ids) * self.target.config.hidden_size  # features only
             row = receive_row(layout, width, self.features.dtype, self.ctx.device)
@@ -209,6 +223,8 @@ class Trainer:
             s.epoch += 1
             s.step_in_epoch = 0
         balance = self.features.finish()
+        forwards = torch.tensor([balance.pop("target_forwards")], dtype=torch.float64)
+        balance["target_forwards"] = int(all_reduce_sum(self.ctx, forwards)[0])
         self._save()
         summary = self._summary() | balance
         weights = full_model_state(self.drafter)

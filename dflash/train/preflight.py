@@ -37,10 +37,24 @@ def preflight(config: Config, files: TrainFiles) -> None:
     )
     t = config.train
     target = Path(resolve_target_path(files.target)) if files.target.exists() else None
+    if t.features == "files" or t.topology == "engine":
+        check_features(config, files)
     if t.topology == "decoupled":
         check_capacity(processes(t), "train.world_size + train.target_ranks", target)
     else:
         check_capacity(t.world_size, target=target)
+
+
+def check_features(config: Config, files: TrainFiles) -> None:
+    """Features from files need the capture stage's, of the drafter's layers; from engines,
+    a reader for ``engine.backend`` (hs-connectors, and Mooncake's package for mooncake)."""
+    from dflash.model.hidden_states import hidden_transfer
+    from dflash.train.capture import check_capture, target_geometry
+
+    if config.train.features == "files":
+        check_capture(files.features, *target_geometry(config.drafter, files.target, files.init))
+    else:
+        hidden_transfer(config.engine.backend)
 
 
 def check_drafter(config: Config, files: TrainFiles) -> None:

@@ -143,7 +143,7 @@ def place(train: TrainConfig, world: Dist) -> Placement:
     A drafter rank's Dist is the drafter ranks' group; a target rank's is the target ranks'
     group when they shard the target, else the whole job.
     """
-    if train.topology == "colocated":
+    if train.topology != "decoupled":
         return Placement(world, None)
     layout = Layout(train.world_size, train.target_ranks, shards_target(train))
     if world.world_size != processes(train):
@@ -198,6 +198,7 @@ class ColocatedFeatures:
 
     def __init__(self, target: torch.nn.Module, layer_ids: list[int], last: bool = False) -> None:
         self.target, self.layer_ids, self.last = target, layer_ids, last
+        self.forwards = 0
 
     def start(self, epoch: int, step: int) -> None:
         pass
@@ -206,13 +207,18 @@ class ColocatedFeatures:
         pass
 
     def __call__(self, mb: MicroBatch) -> torch.Tensor:
+        self.forwards += 1
         return target_features(
             self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids, mb.layout,
             last=self.last,
         )  # fmt: skip
 
     def finish(self) -> dict[str, float]:
-        return {"target_idle_fraction": 0.0, "drafter_wait_fraction": 0.0}
+        return {
+            "target_idle_fraction": 0.0,
+            "drafter_wait_fraction": 0.0,
+            "target_forwards": self.forwards,
+        }
 
 
 class DecoupledFeatures:
@@ -231,6 +237,8 @@ class DecoupledFeatures:
         self.pending: deque[tuple[int, int, torch.Tensor, dist.Work]] = deque()
         self.upcoming: Iterator[tuple[int, list[Row]]] = iter(())
         self.wait_s = 0.0
+        self.received = 0
+        """Micro-batches received: one target forward each, on a target rank."""
         self.began = time.perf_counter()
 
     def start(self, epoch: int, step: int) -> None:
@@ -260,6 +268,7 @@ class DecoupledFeatures:
         wait(work, self.layout, source, f"to send micro-batch {index} of drafter rank "
              f"{self.ctx.rank}")  # fmt: skip
         self.wait_s += time.perf_counter() - began
+        self.received += 1
         self._post()
         if buffer.shape[:2] != mb.input_ids.shape:
             raise TopologyError(
@@ -270,7 +279,8 @@ class DecoupledFeatures:
 
     def finish(self) -> dict[str, float]:
         busy = time.perf_counter() - self.began - self.wait_s
-        return fractions(self.world, self.wait_s, busy, "drafter")
+        received = {"target_forwards": self.received}
+        return fractions(self.world, self.wait_s, busy, "drafter") | received
 
 
 def feature_source(

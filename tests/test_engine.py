@@ -1,0 +1,258 @@
+"""Features from serving engines and from the capture stage's files equal colocated ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from conftest import run_stages, tiny_qwen3
+from engine_server import FAULTS, StandInEngine
+from test_train import final_weights
+
+from dflash.config import Config
+from dflash.data.local_server import free_port
+from dflash.errors import ConfigError
+from dflash.model.features import target_features
+from dflash.model.hidden_states import (
+    EngineClient,
+    EngineError,
+    engine_layer_ids,
+    hidden_transfer,
+)
+from dflash.train.capture import MANIFEST, check_capture
+from dflash.train.distributed import Dist
+from dflash.train.engine import DocumentFeatures, file_fetch, served_fetch
+from dflash.train.topology import micro_batch_shape
+from dflash.workspace import Workspace
+
+pytest.importorskip("hs_connectors")
+
+LAYERS = [1, 3]
+"""The drafter's layers of the 6-layer tiny target: outputs of layers 1 and 3."""
+CPU = Dist(0, 1, 0, torch.device("cpu"))
+WS = Workspace()
+
+
+class Documents:
+    """A token store's read side: ``store[sample_id] -> (ids, loss mask)``."""
+
+    def __init__(self, docs: list[list[int]]) -> None:
+        self.docs = docs
+
+    def __getitem__(self, sample_id: int):
+        ids = np.array(self.docs[sample_id], dtype=np.uint32)
+        return ids, np.ones_like(ids, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3()
+
+
+@pytest.fixture
+def engine(target, tmp_path):
+    with StandInEngine(target, engine_layer_ids(LAYERS), tmp_path / "hs") as server:
+        yield server
+
+
+def client(*endpoints: str, retries: int = 0, timeout_s: float = 30.0) -> EngineClient:
+    return EngineClient(
+        list(endpoints), hidden_transfer("file"), len(LAYERS), 32, torch.float32,
+        timeout_s=timeout_s, max_retries=retries,
+    )  # fmt: skip
+
+
+def documents(n: int = 5) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(5, 290, size=int(rng.integers(3, 20))).tolist() for _ in range(n)]
+
+
+def micro_batch(rows, docs):
+    """The micro-batch tensors of ``rows`` (``(sample, offset, length)`` per document)."""
+    shape = micro_batch_shape(rows)
+    ids, doc_ids, pos = (torch.zeros(shape, dtype=torch.long) for _ in range(3))
+    doc_ids -= 1
+    for r, row in enumerate(rows):
+        for d, (sample, offset, length) in enumerate(row):
+            ids[r, offset : offset + length] = torch.tensor(docs[sample])
+            doc_ids[r, offset : offset + length] = d
+            pos[r, offset : offset + length] = torch.arange(length)
+    return ids, pos, doc_ids
+
+
+class Batch:
+    def __init__(self, input_ids):
+        self.input_ids = input_ids
+
+
+def planned(docs):
+    """Two micro-batches: padded rows, then packed rows of several documents."""
+    lengths = [len(d) for d in docs]
+    padded = [[(0, 0, lengths[0])], [(1, 0, lengths[1])]]
+    packed = [[(2, 0, lengths[2]), (3, lengths[2], lengths[3])], [(4, 0, lengths[4])]]
+    return [[padded], [packed]]
+
+
+def test_engine_layer_j_is_the_output_of_drafter_layer_j_minus_1(target):
+    """The convention, pinned: colocated features are layer i's output, HF hidden_states[i+1];
+    vLLM's aux state j is layer j's input, HF hidden_states[j]: so the engine is asked i+1."""
+    assert engine_layer_ids(LAYERS) == [2, 4]
+    ids = torch.tensor([documents(1)[0]])
+    with torch.no_grad():
+        hidden = target(input_ids=ids, output_hidden_states=True).hidden_states
+    ours = target_features(target, ids, torch.arange(ids.shape[1])[None], ids * 0, LAYERS)
+    served = torch.cat([hidden[j] for j in engine_layer_ids(LAYERS)], dim=-1)
+    torch.testing.assert_close(served, ours, atol=1e-6, rtol=0)
+
+
+def test_engine_features_equal_colocated_features_padded_and_packed(target, engine, tmp_path):
+    docs = documents()
+    second = StandInEngine(target, engine_layer_ids(LAYERS), tmp_path / "hs2")
+    with second:
+        served = client(engine.url, second.url)
+        features = DocumentFeatures(
+            served_fetch(served), Documents(docs), CPU, 64, torch.float32, prefetch=1, workers=4,
+            forwards=lambda: served.requests,
+        )  # fmt: skip
+        steps = planned(docs)
+        features.epoch([step for step in steps], 0)
+        for step in steps:
+            ids, pos, doc_ids = micro_batch(step[0], docs)
+            got = features(Batch(ids))
+            want = target_features(target, ids, pos, doc_ids, LAYERS)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert features.finish()["target_forwards"] == len(docs)
+    assert engine.requests > 0 and second.requests > 0
+    assert not list((tmp_path / "hs").iterdir()), "every file read once, then removed"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_every_fault_is_retried_then_ends_the_run_naming_endpoint_and_micro_batch(engine, fault):
+    docs = documents(1)
+    engine.faults.extend([fault] * 2)
+    flaky = client(engine.url, retries=1, timeout_s=1.0)
+    features = DocumentFeatures(
+        served_fetch(flaky), Documents(docs), CPU, 64, torch.float32, prefetch=1, workers=1
+    )
+    features.epoch([[[[(0, 0, len(docs[0]))]]]], 0)
+    with pytest.raises(EngineError) as err:
+        features(Batch(torch.zeros((1, len(docs[0])), dtype=torch.long)))
+    assert engine.url in str(err.value) and "micro-batch 0 of drafter rank 0" in str(err.value)
+    assert "2 attempts" in str(err.value)
+
+
+def test_a_fault_then_a_good_answer_trains_on_the_good_one(target, engine):
+    docs = documents(1)
+    engine.faults.extend(["stale"])
+    states = client(engine.url, retries=1).states(docs[0], "sample 0")
+    ids = torch.tensor([docs[0]])
+    want = target_features(target, ids, torch.arange(ids.shape[1])[None], ids * 0, LAYERS)[0]
+    torch.testing.assert_close(states, want, atol=1e-5, rtol=0)
+
+
+def test_a_server_that_is_down_is_named():
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(EngineError, match=down.replace(".", r"\.")):
+        client(down, retries=1).states([5, 6, 7], "micro-batch 3 of drafter rank 1, sample 9")
+
+
+def test_a_missing_or_stale_capture_file_ends_the_run_naming_the_sample(target, tmp_path):
+    from dflash.train.capture import write_sample
+
+    docs = documents(2)
+    states = torch.randn(len(docs[0]), 2, 32)
+    write_sample(tmp_path, 0, states, docs[0])
+    other = [t + 1 for t in docs[1]]  # another document of the same length: a stale file
+    write_sample(tmp_path, 1, torch.randn(len(docs[1]), 2, 32), other)
+    fetch = file_fetch(hidden_transfer("file", tmp_path), 2, 32, torch.float32, tmp_path)
+    torch.testing.assert_close(fetch(0, docs[0], "sample 0"), states.reshape(len(docs[0]), 64))
+    with pytest.raises(EngineError, match="sample 1: .*other tokens"):
+        fetch(1, docs[1], "sample 1")
+    with pytest.raises(EngineError, match="sample 2: .*no hidden-states file"):
+        fetch(2, docs[1], "sample 2")
+
+
+def test_files_need_the_capture_of_the_drafters_layers(tmp_path):
+    with pytest.raises(ConfigError, match="run `dflash capture`"):
+        check_capture(tmp_path, LAYERS, 32)
+    (tmp_path / MANIFEST).write_text(json.dumps({"features": "target"}))
+    with pytest.raises(ConfigError, match="only a manifest"):
+        check_capture(tmp_path, LAYERS, 32)
+    info = {"features": "files", "layer_ids": [1, 2], "hidden_size": 32}
+    (tmp_path / MANIFEST).write_text(json.dumps(info))
+    with pytest.raises(ConfigError, match=r"the drafter reads \[1, 3\]"):
+        check_capture(tmp_path, LAYERS, 32)
+
+
+def test_engine_params_are_checked():
+    with pytest.raises(ValueError, match="engine.endpoints"):
+        Config.model_validate({"train": {"topology": "engine"}})
+    with pytest.raises(ValueError, match="train.features"):
+        Config.model_validate({"train": {"topology": "decoupled", "features": "files"}})
+    with pytest.raises(ConfigError, match="mooncake"):
+        hidden_transfer("mooncake")
+
+
+# ------------------------------------------------------------------ training end to end
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train(workspace: Path, *overrides: str) -> dict:
+    cmd = [sys.executable, "-m", "dflash.cli", "train", *(f"--set={o}" for o in overrides)]
+    proc = subprocess.run(cmd, cwd=workspace, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads((workspace / WS.train_details).read_text())
+
+
+def losses(workspace: Path) -> list[float]:
+    import csv
+
+    return [float(r["loss"]) for r in csv.DictReader(open(workspace / "plots/train/log.csv"))]
+
+
+def same_drafter(a: Path, b: Path) -> None:
+    assert losses(b) == pytest.approx(losses(a), abs=1e-6, rel=0)
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_drafter(
+    tiny_workspace_template, tmp_path
+):
+    from dflash.model.load import load_target
+
+    base = tmp_path / "colocated"
+    shutil.copytree(tiny_workspace_template, base)
+    params = yaml.safe_load((base / "params.yaml").read_text())
+    params["train"] |= {"world_size": 1, "epochs": 1, "max_steps": 6}
+    (base / "params.yaml").write_text(yaml.safe_dump(params))
+    run_stages(base, ["plan"])
+    served, files = tmp_path / "engine", tmp_path / "files"
+    shutil.copytree(base, served)
+    shutil.copytree(base, files)
+    reference = train(base)
+    assert reference["target_forwards"] > 0
+
+    target = load_target(base / WS.target, device="cpu")
+    with StandInEngine(target, engine_layer_ids(LAYERS), tmp_path / "hs") as engine:
+        details = train(served, "train.topology=engine", f"engine.endpoints=[{engine.url}]")
+    same_drafter(base, served)
+    assert details["target_forwards"] == engine.requests > 0
+
+    run_stages(files, ["capture"], ["train.features=files"])
+    info = json.loads((files / WS.features / MANIFEST).read_text())
+    assert info["bytes_per_token"] == 2 * 32 * 4 + 8 and info["samples"] > 0
+    details = train(files, "train.features=files")
+    same_drafter(base, files)
+    assert details["target_forwards"] == 0
