@@ -34,10 +34,22 @@ def _free_port() -> int:
 
 
 def _train(workspace: Path, *args: str) -> subprocess.Popen:
+    """Output to a file, not a pipe: a node blocked on a full pipe would hold the others at
+    torchrun's exit barrier."""
     cmd = [sys.executable, "-m", "dflash.cli", "train", *args]
-    return subprocess.Popen(
-        cmd, cwd=workspace, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    log = workspace.with_name(workspace.name + ".log")
+    with log.open("w") as f:
+        job = subprocess.Popen(cmd, cwd=workspace, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+    job.log = log
+    return job
+
+
+def _output(job: subprocess.Popen, timeout: float = 120) -> str:
+    try:
+        job.wait(timeout)
+    finally:
+        job.kill()
+    return job.log.read_text()
 
 
 def _two_nodes(head: Path, worker: Path, *sets: str) -> list[tuple[int, str]]:
@@ -45,7 +57,7 @@ def _two_nodes(head: Path, worker: Path, *sets: str) -> list[tuple[int, str]]:
     common = [f"--set={s}" for s in ("train.world_size=2", *sets)]
     common += ["--nnodes=2", f"--rdzv-endpoint=127.0.0.1:{_free_port()}"]
     jobs = [_train(ws, *common, f"--node-rank={r}") for r, ws in enumerate((head, worker))]
-    outs = [job.communicate(timeout=180)[0] for job in jobs]
+    outs = [_output(job) for job in jobs]
     return [(job.returncode, out) for job, out in zip(jobs, outs, strict=True)]
 
 
@@ -68,7 +80,7 @@ def one_node(tiny_workspace_template, tmp_path_factory) -> Path:
     workspace = tmp_path_factory.mktemp("one-node") / "ws"
     shutil.copytree(tiny_workspace_template, workspace)
     job = _train(workspace)
-    out = job.communicate(timeout=180)[0]
+    out = _output(job)
     assert job.returncode == 0, out
     return workspace
 
@@ -126,13 +138,13 @@ def test_a_killed_rank_restarts_from_its_checkpoint_to_the_same_drafter(
     shutil.copytree(tiny_workspace_template, workspace)
     job = _train(workspace, "--set=train.max_restarts=1")
     while not checkpoint_written(workspace, 2):  # a condition, not a guess at the time
-        assert job.poll() is None, job.communicate()[0]
+        assert job.poll() is None, job.log.read_text()
         time.sleep(0.05)
     ranks = [
         p for p in psutil.Process(job.pid).children(recursive=True) if "dflash.cli" in p.cmdline()
     ]
     os.kill(max(ranks, key=lambda p: p.pid).pid, signal.SIGKILL)
-    out = job.communicate(timeout=180)[0]
+    out = _output(job)
     assert job.returncode == 0, out
     assert json.loads((workspace / DETAILS).read_text())["restarts"] == 1
     assert _weights(workspace) == _weights(one_node)
