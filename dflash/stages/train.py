@@ -93,13 +93,12 @@ def _rank(config: Config, workspace: Workspace) -> int:
 
 
 def _launch(config: Config, workspace: Workspace, options: argparse.Namespace | None) -> int:
-    from dflash.train.launch import nodes_of
-    from dflash.train.topology import processes
-
-    nodes = nodes_of(options, processes(config.train), config.train)
     with workspace_lock(workspace.lock, "train") as lock:
+        from dflash.train.launch import nodes_of
         from dflash.train.preflight import preflight
+        from dflash.train.topology import processes
 
+        nodes = nodes_of(options, processes(config.train), config.train)
         files = train_files(workspace, config)
         preflight(config, files, nodes.count)
         if processes(config.train) == 1:
