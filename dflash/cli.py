@@ -47,7 +47,7 @@ HELP = {
     "clean": "list the runs whose checkpoints are kept under checkpoints/, and remove them",
 }
 """What each command does, for ``--help``."""
-OPTIONS = {"clean": "dflash.clean"}
+OPTIONS = {"clean": "dflash.clean", "train": "dflash.train.launch"}
 """Commands with options of their own: the module's ``add_arguments`` adds them, and its
 ``run`` takes the parsed options as a third argument."""
 COMPARE_HELP = (
@@ -111,6 +111,8 @@ def stage_main(stage: str, argv: list[str] | None = None) -> int:
     """Entry point of ``stages/<stage>.py``."""
     parser = argparse.ArgumentParser(prog=sys.argv[0], description=HELP.get(stage, stage))
     add_config_args(parser)
+    if stage in OPTIONS:
+        importlib.import_module(OPTIONS[stage]).add_arguments(parser)
     return _run(stage, parser.parse_args(argv))
 
 

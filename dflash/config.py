@@ -285,6 +285,13 @@ class TrainConfig(Section):
     """Runs (params, data, code) whose checkpoints are kept on disk, this one included; the
     least recently written past it are removed when a run starts: a run knob. ``dflash
     clean`` lists and removes them."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints are kept, relative to the workspace or absolute (null: checkpoints/);
+    across nodes a directory every node mounts at the same path, checked before training: a
+    run knob."""
+    max_restarts: Int = Field(0, ge=0)
+    """Times torchrun restarts the job after a rank fails, each from the last checkpoint: a
+    run knob."""
     max_nonfinite_steps: Int = Field(10, ge=1)
     """Consecutive non-finite losses tolerated (each skips its step) before the run stops."""
     num_workers: Int = Field(1, ge=0)

@@ -249,6 +249,9 @@ class TrainDetails(Metrics):
     padding_efficiency: float
     planned_steps: int
     """Optimizer steps of the full run; ``steps`` is fewer in a pilot (``train.max_steps``)."""
+    restarts: int = 0
+    """Times torchrun restarted the job after a rank failed (``train.max_restarts``), each
+    from the last checkpoint."""
     projected_hours: float | None
     """The full run's hours on the plan's ranks: the seconds trained, plus the plan's
     remaining real tokens at the rate of the later half of the steps past warm-up (None

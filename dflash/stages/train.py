@@ -18,6 +18,7 @@ workspace is refused at once.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -36,19 +37,20 @@ from dflash.fileio import remove_files
 from dflash.lock import HELD_BY_LAUNCHER, launched_by_torchrun, workspace_lock
 from dflash.train.allocator import configure_allocator
 from dflash.train.files import Declared, TrainFiles, weight_inputs
+from dflash.train.launch import Nodes
 from dflash.train.orphans import die_with_parent, parent_death_signal
 from dflash.workspace import Workspace
 
 
 def train_files(workspace: Workspace, config: Config) -> TrainFiles:
-    w, init = workspace, config.drafter.init_from
+    w, init, shared = workspace, config.drafter.init_from, config.train.checkpoint_dir
     return TrainFiles(
         tokenized=w.tokenized,
         plans=w.plans,
         target=w.target,
         tokenizer=w.tokenizer,
         heldout=w.heldout,
-        checkpoints=w.checkpoints,
+        checkpoints=w.checkpoints if shared is None else w.root / shared,
         drafter=w.drafter,
         metrics=w.train_metrics,
         details=w.train_details,
@@ -73,11 +75,11 @@ def fingerprint(config: Config, workspace: Workspace | None = None) -> str:
     return run_fingerprint(files, weight_inputs(files, declared(config)))
 
 
-def run(config: Config, workspace: Workspace) -> int:
+def run(config: Config, workspace: Workspace, options: argparse.Namespace | None = None) -> int:
     configure_allocator(os.environ)  # before any CUDA use here, and inherited by the ranks
     if launched_by_torchrun():
         return _rank(config, workspace)
-    return _launch(config, workspace)
+    return _launch(config, workspace, options)
 
 
 def _rank(config: Config, workspace: Workspace) -> int:
@@ -91,22 +93,27 @@ def _rank(config: Config, workspace: Workspace) -> int:
     return 0
 
 
-def _launch(config: Config, workspace: Workspace) -> int:
+def _launch(config: Config, workspace: Workspace, options: argparse.Namespace | None) -> int:
     with workspace_lock(workspace.lock, "train") as lock:
+        from dflash.train.launch import nodes_of
         from dflash.train.preflight import preflight
         from dflash.train.topology import processes
 
+        nodes = nodes_of(options, processes(config.train), config.train)
         files = train_files(workspace, config)
-        preflight(config, files)
+        preflight(config, files, nodes.count)
         if processes(config.train) == 1:
             from dflash.train.loop import train
 
             train(config, files, declared(config))
             return 0
-        return _torchrun(config, workspace, lock)
+        return _torchrun(config, workspace, lock, nodes, options)
 
 
-def _torchrun(config: Config, workspace: Workspace, lock: int) -> int:
+def _torchrun(
+    config: Config, workspace: Workspace, lock: int, nodes: Nodes, options: argparse.Namespace
+) -> int:
+    from dflash.train.launch import torchrun_args, worker_command
     from dflash.train.topology import Layout, processes
 
     plain = whole(config).model_dump(mode="json")
@@ -117,8 +124,8 @@ def _torchrun(config: Config, workspace: Workspace, lock: int) -> int:
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={processes(config.train)}",
+        *torchrun_args(nodes, processes(config.train)),
+        f"--max-restarts={config.train.max_restarts}",
         "-m",
         "dflash.cli",
         "train",
@@ -126,6 +133,13 @@ def _torchrun(config: Config, workspace: Workspace, lock: int) -> int:
         str(params),
     ]
     env = {**os.environ, HELD_BY_LAUNCHER: "1"}
+    if nodes.many and nodes.rank == 0:
+        joins = "\n".join(f"  {worker_command(nodes, options, r)}" for r in range(1, nodes.count))
+        print(
+            f"dflash train: each worker node joins, in its copy of the workspace:\n{joins}",
+            file=sys.stderr,
+            flush=True,
+        )
     remove_files(workspace.train_metrics)  # written last by this job: present = it finished
     try:
         code = _wait(

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import time
 from typing import Any
 
@@ -32,7 +33,7 @@ from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
-from dflash.train import checkpoint, topology
+from dflash.train import checkpoint, nodes, topology
 from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
 from dflash.train.borrowed import load_borrowed
 from dflash.train.clock import StepClock
@@ -142,12 +143,14 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.simulated = self._simulated(tokenizer)
+        nodes.agree(ctx, files)
         self.fingerprint = from_rank_zero(
             ctx, lambda: checkpoint.run_fingerprint(files, weight_inputs(files, declared))
         )
         self.run_dir = checkpoint.run_directory(files.checkpoints, self.fingerprint)
         if ctx.is_main:
             checkpoint.start_run(files.checkpoints, self.fingerprint, declared.params, t.keep_runs)
+        nodes.check_shared(ctx, files.checkpoints)
         self.planned, self.loader = self._make_loader()
         self.clock = StepClock(ctx.device)
         self.state = TrainState()
@@ -392,6 +395,7 @@ class Trainer:
         last_row = rows[-1] if rows else {}
         tau_seconds = self.simulated.seconds if self.simulated else 0.0
         return {
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
             "final_loss": final_loss,
             "final_accuracy": last_row.get("accuracy", float("nan")),
             "final_simulated_tau": last_row.get("simulated_tau", float("nan")),

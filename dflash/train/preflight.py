@@ -28,8 +28,9 @@ from dflash.train.topology import processes
 logger = logging.getLogger(__name__)
 
 
-def preflight(config: Config, files: TrainFiles) -> None:
-    """Raise a user error (exit 2) for a run that cannot go well; warn for a slow one."""
+def preflight(config: Config, files: TrainFiles, nnodes: int = 1) -> None:
+    """Raise a user error (exit 2) for a run that cannot go well; warn for a slow one.
+    Capacity is this node's: its share of the job's ranks over ``nnodes`` nodes."""
     if files.target.exists():  # drafter.* changes rerun train, not the target stage's check
         check_drafter(config, files)
     check_plan(
@@ -40,9 +41,9 @@ def preflight(config: Config, files: TrainFiles) -> None:
     if t.features == "files" or t.topology == "engine":
         check_features(config, files)
     if t.topology == "decoupled":
-        check_capacity(processes(t), "train.world_size + train.target_ranks", target)
+        check_capacity(processes(t) // nnodes, "train.world_size + train.target_ranks", target)
     else:
-        check_capacity(t.world_size, target=target)
+        check_capacity(t.world_size // nnodes, target=target)
 
 
 def check_features(config: Config, files: TrainFiles) -> None:

@@ -1,0 +1,96 @@
+"""Checks a job spanning several nodes makes before its first step.
+
+Each node trains on its own copy of the inputs, so one digest on rank 0 vouches for nothing
+on the others: every node hashes its own token store, plans, tokenizer and target, and a node
+that differs ends the job, named with the input. Checkpoints must be readable by every node
+to be resumed: rank 0 writes a marker with a random token where they go, and every node must
+read it back. On one node both checks are skipped (one copy, one directory).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dflash.errors import UserError
+from dflash.fingerprint import path_digest
+from dflash.model.load import target_digest
+from dflash.train.distributed import Dist, barrier, from_rank_zero
+from dflash.train.files import TrainFiles
+
+
+def node_rank() -> int:
+    """This process's node (torchrun's group rank; 0 outside torchrun)."""
+    return int(os.environ.get("GROUP_RANK", 0))
+
+
+def many_nodes() -> bool:
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    return world != int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def _first_on_node() -> bool:
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _gather(ctx: Dist, value: object) -> list[tuple[int, object]]:
+    """``(node, value)`` of every rank of ``ctx``'s group."""
+    values: list = [None] * dist.get_world_size(ctx.group)
+    dist.all_gather_object(values, (node_rank(), value), group=ctx.group)
+    return values
+
+
+def input_digests(files: TrainFiles) -> dict[str, str]:
+    return {
+        "token store": path_digest(files.tokenized),
+        "plans": path_digest(files.plans),
+        "tokenizer": path_digest(files.tokenizer),
+        "target": target_digest(files.target),
+    }
+
+
+def agree(ctx: Dist, files: TrainFiles) -> None:
+    """Raise on every rank, naming the node and input, unless all nodes hold the head's inputs."""
+    if not (ctx.enabled and many_nodes()):
+        return
+    gathered = _gather(ctx, input_digests(files) if _first_on_node() else None)
+    head = next(d for n, d in gathered if n == 0 and d is not None)
+    paths = {
+        "token store": files.tokenized,
+        "plans": files.plans,
+        "tokenizer": files.tokenizer,
+        "target": files.target,
+    }
+    for node, digests in gathered:
+        for name, value in (digests or {}).items():
+            if value != head[name]:
+                raise UserError(
+                    f"node {node}'s {name} ({paths[name]}) differs from the head's: every node "
+                    "must hold the same inputs; copy the head's workspace to it and rerun"
+                )
+
+
+def check_shared(ctx: Dist, root: Path) -> None:
+    """Raise on every rank unless every node sees what rank 0 writes under ``root``."""
+    if not (ctx.enabled and many_nodes()):
+        return
+    token = from_rank_zero(ctx, lambda: secrets.token_hex(16))
+    marker = root / f".shared-{token}"
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token)
+    barrier(ctx)
+    seen = not _first_on_node() or (marker.exists() and marker.read_text() == token)
+    gathered = _gather(ctx, seen)
+    if ctx.is_main:
+        marker.unlink()
+    blind = sorted({node for node, ok in gathered if not ok})
+    if blind:
+        raise UserError(
+            f"train.checkpoint_dir: node(s) {blind} do not see {root.resolve()}, where the head "
+            "writes checkpoints, so no node could resume them; set train.checkpoint_dir to a "
+            "directory every node mounts at the same path (NFS, Lustre)"
+        )
