@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 
@@ -40,8 +39,8 @@ def flip_a_token(workspace) -> None:
     tokens.flush()
 
 
-def test_fingerprint_covers_token_contents_not_counts(tiny_workspace):
-    os.chdir(tiny_workspace)
+def test_fingerprint_covers_token_contents_not_counts(tiny_workspace, monkeypatch):
+    monkeypatch.chdir(tiny_workspace)
     config = load_config("params.yaml")
     before = fingerprint(config)
     assert fingerprint(config) == before

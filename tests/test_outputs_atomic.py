@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -51,7 +50,7 @@ def test_stats_are_replaced_whole(tmp_path, monkeypatch):
 
 
 def test_target_is_replaced_whole(tiny_workspace, monkeypatch):
-    os.chdir(tiny_workspace)
+    monkeypatch.chdir(tiny_workspace)
     before = snapshot(WS.target)
     # The tokenizer is saved after the model's weights: die in between.
     kill_on_call(monkeypatch, "transformers.PreTrainedTokenizerBase.save_pretrained")
@@ -63,7 +62,7 @@ def test_target_is_replaced_whole(tiny_workspace, monkeypatch):
 
 
 def test_evaluate_leaves_no_old_metrics_beside_new_rows(tiny_workspace, monkeypatch):
-    os.chdir(tiny_workspace)
+    monkeypatch.chdir(tiny_workspace)
     WS.eval_metrics.parent.mkdir(parents=True, exist_ok=True)
     WS.eval_metrics.write_text('{"acceptance_length": 9.9}\n')
     one = ["train.world_size=1", "train.epochs=1"]
@@ -132,7 +131,7 @@ def test_the_gitignore_dvc_keeps_in_an_output_directory_survives(tmp_path):
 
 
 def test_train_leaves_no_old_metrics_beside_a_new_drafter(tiny_workspace, monkeypatch):
-    os.chdir(tiny_workspace)
+    monkeypatch.chdir(tiny_workspace)
     WS.train_metrics.parent.mkdir(parents=True, exist_ok=True)
     WS.train_metrics.write_text('{"final_loss": 0.001}\n')
     kill_on_call(monkeypatch, "dflash.train.loop.write_metrics")  # metrics come last

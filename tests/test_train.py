@@ -60,9 +60,9 @@ def final_weights(workspace: Path) -> dict[str, torch.Tensor]:
     return load_file(workspace / "models/drafter/model.safetensors")
 
 
-def test_micro_batch_weight_sum_matches_objective(tiny_workspace):
+def test_micro_batch_weight_sum_matches_objective(tiny_workspace, monkeypatch):
     config = load_config(tiny_workspace / "params.yaml")
-    os.chdir(tiny_workspace)
+    monkeypatch.chdir(tiny_workspace)
     store = TokenStore("data/tokenized")
     steps = read_rank_plan(Path("data/plans/epoch_000.parquet"), 0)
     target = load_target(Path("models/target"))
@@ -84,8 +84,8 @@ def test_micro_batch_weight_sum_matches_objective(tiny_workspace):
     assert out.weight_sum.item() == pytest.approx(mb.weight_sum, rel=1e-6)
 
 
-def test_anchors_redrawn_each_epoch_and_independent_of_rank(tiny_workspace):
-    os.chdir(tiny_workspace)
+def test_anchors_redrawn_each_epoch_and_independent_of_rank(tiny_workspace, monkeypatch):
+    monkeypatch.chdir(tiny_workspace)
     store = TokenStore("data/tokenized")
     row = [[(0, 0, int(store.lengths[0]))]]
     kw = dict(block_size=4, anchors_per_sequence=3, gamma=7.0, seed=0)
@@ -97,8 +97,8 @@ def test_anchors_redrawn_each_epoch_and_independent_of_rank(tiny_workspace):
     assert len(draws) > 1
 
 
-def test_stale_plan_is_refused_with_what_differs(tiny_workspace):
-    os.chdir(tiny_workspace)
+def test_stale_plan_is_refused_with_what_differs(tiny_workspace, monkeypatch):
+    monkeypatch.chdir(tiny_workspace)
     store = TokenStore("data/tokenized")
     meta = read_plan_meta(Path("data/plans"))
     config = load_config("params.yaml", ["train.world_size=4", "batching.token_budget=999"])
