@@ -1,5 +1,6 @@
 """Training reports its stability and streams its curves to DVCLive (rank 0 only)."""
 
+import csv
 import json
 import os
 import subprocess
@@ -9,13 +10,20 @@ import pytest
 from conftest import run_stages
 
 from dflash.train.monitor import wandb_quiet
+from dflash.train.stability import coefficient_of_variation, count_spikes
 
 
 @pytest.mark.slow
 def test_train_writes_stability_and_dvclive(tiny_workspace):
     run_stages(tiny_workspace, ["plan", "train"], ["train.world_size=1", "train.epochs=1"])
     metrics = json.loads((tiny_workspace / "metrics/train.json").read_text())
-    assert isinstance(metrics["loss_spikes"], int) and metrics["loss_spikes"] >= 0
+    steps = list(csv.DictReader(open(tiny_workspace / "plots/train/steps.csv")))
+    assert len(steps) == metrics["steps"]  # every step of the tiny run is finite
+    losses = [float(row["loss"]) for row in steps]
+    norms = [float(row["grad_norm"]) for row in steps]
+    # The figures are those of the run's own steps, not merely well-formed.
+    assert metrics["loss_spikes"] == count_spikes(losses)
+    assert metrics["grad_norm_cv"] == pytest.approx(coefficient_of_variation(norms), rel=1e-9)
     assert metrics["grad_norm_cv"] > 0
     live = json.loads((tiny_workspace / "dvclive/train/metrics.json").read_text())
     assert live["final_loss"] == metrics["final_loss"]
@@ -32,6 +40,7 @@ def test_wandb_stays_quiet_unless_its_environment_asks():
 WANDB_RUN = """
 import os, wandb
 from dflash.train.monitor import wandb_quiet
+from dflash.train.stability import coefficient_of_variation, count_spikes
 run = wandb.init(project="p", mode="offline", dir=os.getcwd(),
                  settings=wandb.Settings(**wandb_quiet(os.environ)))
 run.log({"loss": 1.0}, step=1)
