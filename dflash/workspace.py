@@ -54,7 +54,7 @@ class Workspace:
     regenerated_conversations = _at("data/regenerated/conversations.parquet")
     regenerated_shards = _at(
         "data/regenerated/shards",
-        "Persisted between runs (``persist: true``) so an interrupted regeneration resumes.",
+        "Resume state, kept between runs so an interrupted regeneration resumes; no DVC output.",
     )
     regenerate_report = _at(
         "data/regenerated/report.json",
