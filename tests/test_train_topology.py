@@ -321,7 +321,11 @@ def test_a_dead_rank_ends_the_job_naming_its_rank_and_role(planned, role, overri
                 victim = child
         time.sleep(0.05)
     assert victim is not None, "the rank never started"
-    time.sleep(8)  # inside the run: models loaded, features flowing
+    # Inside the run: the first step's log row means models loaded and features flowing.
+    log = decoupled / WS.train_log
+    while time.time() < deadline and not log.exists() and proc.poll() is None:
+        time.sleep(0.05)
+    assert log.exists() and proc.poll() is None, "the run never logged a step"
     victim.send_signal(signal.SIGKILL)
     began = time.time()
     out, _ = proc.communicate(timeout=120)
