@@ -41,6 +41,9 @@ from dflash.train.launch import Nodes
 from dflash.train.orphans import die_with_parent, parent_death_signal
 from dflash.workspace import Workspace
 
+ONE_NODE = Nodes()
+"""A job on this machine alone, which tests launch without node options."""
+
 
 def train_files(workspace: Workspace, config: Config) -> TrainFiles:
     w, init, shared = workspace, config.drafter.init_from, config.train.checkpoint_dir
@@ -111,7 +114,11 @@ def _launch(config: Config, workspace: Workspace, options: argparse.Namespace | 
 
 
 def _torchrun(
-    config: Config, workspace: Workspace, lock: int, nodes: Nodes, options: argparse.Namespace
+    config: Config,
+    workspace: Workspace,
+    lock: int,
+    nodes: Nodes = ONE_NODE,
+    options: argparse.Namespace | None = None,
 ) -> int:
     from dflash.train.launch import torchrun_args, worker_command
     from dflash.train.topology import Layout, processes
