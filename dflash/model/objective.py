@@ -340,6 +340,11 @@ def dflash_objective(
         plan.weights,
         rows,
     )
+    return _output(loss_sum, hits, plan, bs)
+
+
+def _output(loss_sum: Tensor, hits: Tensor, plan: LabelPlan, bs: int) -> ObjectiveOutput:
+    """Per-slot hits gathered back from the plan's flat labels, beside the sums."""
     correct = torch.zeros(bs, dtype=torch.long, device=hits.device)
     return ObjectiveOutput(
         loss_sum=loss_sum,
@@ -380,10 +385,4 @@ def _other_objective(
         (plan.index, (anchors.shape[1], bs)) if dpace else None,
         objective.dpace_alpha,
     )
-    correct = torch.zeros(bs, dtype=torch.long, device=hits.device)
-    return ObjectiveOutput(
-        loss_sum=loss_sum,
-        weight_sum=plan.weights.sum(),
-        correct=correct.index_add_(0, plan.slots, hits.long()),
-        counted=plan.counted,
-    )
+    return _output(loss_sum, hits, plan, bs)
