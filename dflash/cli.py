@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
+from typing import NoReturn
 
 from dflash import logs, provenance
 from dflash.config import Config
@@ -162,13 +165,35 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"dflash {stage}: interrupted; rerun to resume", file=sys.stderr)
         return SIGINT_EXIT
-    except (UserError, FileNotFoundError) as err:
-        missing = isinstance(err, FileNotFoundError) and err.filename
-        print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)
-        return 2
-    except OutputError as err:  # disk full, no permission, read-only: the machine, exit 1
-        print(f"dflash {stage}: {err}", file=sys.stderr)
-        return 1
+    except (UserError, FileNotFoundError, OutputError) as err:
+        code = _report(stage, err)
+        if launched_by_torchrun():
+            _exit_rank(code)  # here, while ``err`` still holds what it would free
+        return code
+    except Exception:
+        if launched_by_torchrun():
+            traceback.print_exc()
+            _exit_rank(1)
+        raise
+
+
+def _report(stage: str, err: Exception) -> int:
+    """Print ``err`` in one line; its exit status: 2 for the user's input, 1 for the machine
+    (disk full, no permission, read-only)."""
+    missing = isinstance(err, FileNotFoundError) and err.filename
+    print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)
+    return 1 if isinstance(err, OutputError) else 2
+
+
+def _exit_rank(code: int) -> NoReturn:
+    """End a failed torchrun rank without the interpreter's teardown. Freeing a gloo process
+    group (held by DDP in the failed frames) joins its worker thread with the GIL held, while
+    that thread may wait for the GIL to free the last collective's tensors (torch 2.13): the
+    rank would hang, and torchrun would hold every node's job open waiting for it. Outputs are
+    written whole or not at all, so nothing is left to flush but the streams."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

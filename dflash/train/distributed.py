@@ -56,10 +56,24 @@ def init_distributed(timeout_s: float = 600.0) -> Dist:
     if not dist.is_initialized():
         # A device_id binds NCCL's communicator to this rank's GPU at once (no guessing later).
         bound = device if device.type == "cuda" else None
+        timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(
-            backend=backend, timeout=timedelta(seconds=timeout_s), device_id=bound
+            backend=backend,
+            store=_round_store(rank, world_size, timeout),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=bound,
         )
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _round_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """torchrun's store, under a prefix of its own for each restart: the agent keeps one store
+    across restarts, so without it a restarted rank can read the address a rank of the failed
+    round published and fail to connect to it."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    return dist.PrefixStore(f"restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown(ctx: Dist) -> None:
