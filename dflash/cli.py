@@ -191,6 +191,9 @@ def _exit_rank(code: int) -> NoReturn:
     that thread may wait for the GIL to free the last collective's tensors (torch 2.13): the
     rank would hang, and torchrun would hold every node's job open waiting for it. Outputs are
     written whole or not at all, so nothing is left to flush but the streams."""
+    from dflash.train.launch import record_exit
+
+    record_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from argparse import Namespace
+from argparse import ArgumentParser, Namespace
 from pathlib import Path
 
 import psutil
@@ -20,7 +20,14 @@ from conftest import checkpoint_written
 
 from dflash.config import TrainConfig
 from dflash.errors import UserError
-from dflash.train.launch import Nodes, nodes_of, torchrun_args, worker_command
+from dflash.train.launch import (
+    NODE_ENV,
+    Nodes,
+    add_arguments,
+    nodes_of,
+    torchrun_args,
+    worker_command,
+)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 WEIGHTS = "models/drafter/model.safetensors"
@@ -114,7 +121,7 @@ def test_a_node_with_another_token_store_stops_the_job_naming_it(tiny_workspace_
     head, worker, shared = _copies(tiny_workspace_template, tmp_path)
     (worker / "data/tokenized/stale-shard").write_bytes(b"\0")
     results = _two_nodes(head, worker, f"train.checkpoint_dir={shared}")
-    assert all(rc != 0 for rc, _ in results)
+    assert [rc for rc, _ in results] == [2, 2], results  # the input refused, on every node
     out = "".join(o for _, o in results)
     assert "node 1's token store" in out and "differs from the head's" in out, out
     assert not (head / WEIGHTS).exists()
@@ -125,7 +132,7 @@ def test_a_node_with_another_token_store_stops_the_job_naming_it(tiny_workspace_
 def test_a_checkpoint_directory_not_shared_is_refused(tiny_workspace_template, tmp_path):
     head, worker, _ = _copies(tiny_workspace_template, tmp_path)
     results = _two_nodes(head, worker)  # checkpoints/ of each node's own copy
-    assert all(rc != 0 for rc, _ in results)
+    assert [rc for rc, _ in results] == [2, 2], results
     out = "".join(o for _, o in results)
     assert "node(s) [1] do not see" in out and "set train.checkpoint_dir" in out, out
     assert not (head / WEIGHTS).exists()
@@ -175,3 +182,19 @@ def test_the_node_count_must_divide_the_ranks_and_name_where_to_meet():
         "dflash train --params params.yaml --set=train.lr=1e-3 --nnodes=2 --node-rank=1 "
         "--rdzv-endpoint=head:29400"
     )
+
+
+def test_the_node_options_can_come_from_the_environment_as_under_dvc_repro(monkeypatch):
+    for option, name in NODE_ENV.items():
+        monkeypatch.setenv(name, {"nnodes": "2", "node_rank": "1"}.get(option, "head:29400"))
+    parser = ArgumentParser()
+    add_arguments(parser)
+    options = parser.parse_args([])
+    assert nodes_of(options, 2, TrainConfig(world_size=2)) == Nodes(2, 1, "head:29400")
+    assert parser.parse_args(["--node-rank=0"]).node_rank == 0  # the command line wins
+    monkeypatch.setenv(NODE_ENV["nnodes"], "two")
+    parser = ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args([])
+    assert exit_.value.code == 2

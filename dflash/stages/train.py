@@ -120,26 +120,9 @@ def _torchrun(
     nodes: Nodes = ONE_NODE,
     options: argparse.Namespace | None = None,
 ) -> int:
-    from dflash.train.launch import torchrun_args, worker_command
+    from dflash.train.launch import EXIT_DIR, refused, torchrun_args, worker_command
     from dflash.train.topology import Layout, processes
 
-    plain = whole(config).model_dump(mode="json")
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-        yaml.safe_dump(plain, f)
-    params = Path(f.name)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *torchrun_args(nodes, processes(config.train)),
-        f"--max-restarts={config.train.max_restarts}",
-        "-m",
-        "dflash.cli",
-        "train",
-        "--params",
-        str(params),
-    ]
-    env = {**os.environ, HELD_BY_LAUNCHER: "1"}
     if nodes.many and nodes.rank == 0:
         joins = "\n".join(f"  {worker_command(nodes, options, r)}" for r in range(1, nodes.count))
         print(
@@ -148,18 +131,28 @@ def _torchrun(
             flush=True,
         )
     remove_files(workspace.train_metrics)  # written last by this job: present = it finished
-    try:
-        code = _wait(
-            subprocess.Popen(
-                cmd,
-                env=env,
-                pass_fds=(lock,),
-                preexec_fn=parent_death_signal(),
-                start_new_session=True,
-            )
+    with tempfile.TemporaryDirectory(prefix="dflash-train-") as scratch:
+        params = Path(scratch) / "params.yaml"
+        params.write_text(yaml.safe_dump(whole(config).model_dump(mode="json")))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *torchrun_args(nodes, processes(config.train)),
+            f"--max-restarts={config.train.max_restarts}",
+            *("-m", "dflash.cli", "train", "--params", str(params)),
+        ]
+        env = {**os.environ, HELD_BY_LAUNCHER: "1", EXIT_DIR: scratch}
+        job = subprocess.Popen(
+            cmd,
+            env=env,
+            pass_fds=(lock,),
+            preexec_fn=parent_death_signal(),
+            start_new_session=True,
         )
-    finally:
-        params.unlink(missing_ok=True)
+        code = _wait(job)
+        if code != 0 and refused(Path(scratch)):
+            code = 2  # a rank refused the input: the user's to fix, as on one process
     if code != 0 and _finished(workspace):
         print(
             f"dflash train: a rank exited {code} after the run had written its outputs whole "

@@ -12,8 +12,10 @@ node runs its share of them.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflash.config import TrainConfig
 from dflash.errors import UserError
@@ -30,17 +32,52 @@ class Nodes:
         return self.count > 1
 
 
+NODE_ENV = {
+    "nnodes": "DFLASH_NNODES",
+    "node_rank": "DFLASH_NODE_RANK",
+    "rdzv_endpoint": "DFLASH_RDZV_ENDPOINT",
+}
+"""Environment variables that stand for the options: ``dvc repro`` runs the stage's fixed
+command, so on the head they are how it spans nodes (the node count changes no result)."""
+
+EXIT_DIR = "DFLASH_RANK_EXITS"
+"""Where a failed rank leaves its exit status for the launcher: torchrun exits 1 whatever its
+ranks did, and a rank that refused the user's input (2) should make the job exit 2 too."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nnodes", type=int, default=1, help="machines the job spans (default: 1)")
+    env = os.environ.get
     parser.add_argument(
-        "--node-rank", type=int, default=0, help="this machine's place, 0 = the head (default: 0)"
+        "--nnodes",
+        type=int,
+        default=env(NODE_ENV["nnodes"], "1"),  # a string: argparse converts and checks it
+        help=f"machines the job spans (default: 1, or ${NODE_ENV['nnodes']})",
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=env(NODE_ENV["node_rank"], "0"),
+        help=f"this machine's place, 0 = the head (default: 0, or ${NODE_ENV['node_rank']})",
     )
     parser.add_argument(
         "--rdzv-endpoint",
-        default=None,
+        default=env(NODE_ENV["rdzv_endpoint"]),
         metavar="HOST:PORT",
-        help="where the nodes meet: the head's address and a free port (with --nnodes > 1)",
+        help="where the nodes meet: the head's address and a free port (with --nnodes > 1; "
+        f"or ${NODE_ENV['rdzv_endpoint']})",
     )
+
+
+def record_exit(code: int) -> None:
+    """Leave this rank's exit status where its launcher reads it (no-op outside one)."""
+    where = os.environ.get(EXIT_DIR)
+    if where:
+        (Path(where) / f"rank-{os.environ.get('RANK', '0')}").write_text(str(code))
+
+
+def refused(where: Path) -> bool:
+    """Whether a rank launched with ``EXIT_DIR=where`` exited 2: it refused the input."""
+    return any(f.read_text() == "2" for f in where.glob("rank-*"))
 
 
 def nodes_of(options: argparse.Namespace | None, processes: int, train: TrainConfig) -> Nodes:
