@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 from dflash.batching.io import Row
 from dflash.config import TrainConfig
-from dflash.model.features import target_features
 from dflash.train.batches import MicroBatch
 from dflash.train.distributed import Dist
 from dflash.train.prefetch import Window, epoch_micro_batches
+from dflash.train.step import micro_batch_features
 
 TIMEOUT = timedelta(seconds=600)
 """How long a rank waits on its peer before the job fails naming it (the process group's)."""
@@ -196,10 +196,7 @@ class ColocatedFeatures:
 
     def __call__(self, mb: MicroBatch) -> torch.Tensor:
         self.forwards += 1
-        return target_features(
-            self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids, mb.layout,
-            last=self.last,
-        )  # fmt: skip
+        return micro_batch_features(self.target, self.layer_ids, mb, self.last)
 
     def finish(self) -> dict[str, float]:
         return {
