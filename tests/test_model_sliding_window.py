@@ -12,7 +12,8 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.model import target_attention
-from dflash.model.features import select_features, target_features
+from dflash.model.features import target_features
+from dflash.model.remote import select_features
 
 LAYERS = [1, 2, 3]
 T = 32

@@ -19,12 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dflash.model.mixing import by_document_rows, refuse, unconfined
+from dflash.model.remote import concat_layers
 from dflash.model.target_attention import DocumentLayout, ExactPathNeeded, target_attention
-
-
-def select_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
-    """Concatenate decoder-layer outputs (``hidden_states[0]`` is the embedding: layer i is i+1)."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 def one_document_per_row(document_ids: Tensor) -> bool:
@@ -164,8 +160,7 @@ def _features(
     finally:
         for handle in handles:
             handle.remove()
-    kept = [captured[i] for i in layer_ids] + ([out.last_hidden_state] if last else [])
-    features = torch.cat(kept, dim=-1)
+    features = concat_layers(captured, layer_ids, *([out.last_hidden_state] if last else []))
     return features * (document_ids >= 0)[..., None].to(features.dtype)
 
 

@@ -10,7 +10,6 @@ the n-gram baseline (:mod:`dflash.eval.ngram`) looks the drafts up in the text s
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,15 +20,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from dflash.model.drafter import ContextCache, DFlashDrafter, drafter_autocast
-from dflash.model.features import select_features
-
-
-def with_cache(target: nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
-    """The KV cache as the keyword ``target.forward`` takes: ``cache`` in transformers 5
-    (where ``past_key_values`` warns on every call and goes in 5.40), ``past_key_values`` before.
-    """
-    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    return {name: cache}
+from dflash.model.remote import kv, select_features
 
 
 @dataclass
@@ -146,7 +137,7 @@ def greedy_decode(
     _check_budget(max_new_tokens)
     ids = _prompt(prompt_ids, target.device)
     cache = DynamicCache(config=target.config)
-    kv = with_cache(target, cache)
+    past = kv(target, cache)
     out = GenerateOutput()
     position = 0
     began = _clock(ids.device)
@@ -154,7 +145,7 @@ def greedy_decode(
         out.tokens and out.tokens[-1] in stop_token_ids
     ):
         positions = torch.arange(position, position + ids.shape[1], device=ids.device)[None]
-        logits = target(input_ids=ids, position_ids=positions, logits_to_keep=1, **kv).logits
+        logits = target(input_ids=ids, position_ids=positions, logits_to_keep=1, **past).logits
         position += ids.shape[1]
         out.tokens.append(int(logits[0, -1].argmax()))
         if len(out.tokens) == 1:
@@ -197,12 +188,12 @@ def speculative_generate(
     history = ids[0].tolist()
     start = ids.shape[1]  # position of the newest token, committed but not yet seen by the target
     cache = DynamicCache(config=target.config)
-    kv = with_cache(target, cache)
+    past = kv(target, cache)
     began = _clock(device)
     prefill = target(
         input_ids=ids,
         position_ids=torch.arange(start, device=device)[None],
-        **kv,
+        **past,
         output_hidden_states=hidden,
         logits_to_keep=1,
     )
@@ -221,7 +212,7 @@ def speculative_generate(
         verify = target(
             input_ids=block,
             position_ids=torch.arange(start, start + block.shape[1], device=device)[None],
-            **kv,
+            **past,
             output_hidden_states=hidden,
         )
         greedy = verify.logits[0].argmax(dim=-1)

@@ -224,8 +224,7 @@ class DFlashDraftModel(DraftModules, PreTrainedModel):
         return self.norm(x)
 
     def features(self, hidden_states: tuple[Tensor, ...]) -> Tensor:
-        """The tapped target layers (``hidden_states[0]`` is the embedding: layer i is i + 1)."""
-        return torch.cat([hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
+        return select_features(hidden_states, self.target_layer_ids)
 
     def draft(self, target: nn.Module, block: Tensor, context: Tensor, temperature: float):
         """Fill the masked slots of ``block`` ``[1, bs]``, which starts at ``context``'s end."""
@@ -279,10 +278,20 @@ class DFlashDraftModel(DraftModules, PreTrainedModel):
         return trim(ids, prompt, max_new_tokens, stops)
 
 
+def concat_layers(outputs, layer_ids: list[int], *after: Tensor) -> Tensor:
+    """The drafter's context features: the outputs of the target's decoder layers ``layer_ids``
+    (``outputs[i]`` is layer i's), then ``after``, concatenated along the hidden dimension."""
+    return torch.cat([outputs[i] for i in layer_ids] + list(after), dim=-1)
+
+
+def select_features(hidden_states: tuple[Tensor, ...], layer_ids: list[int]) -> Tensor:
+    """The tapped target layers (``hidden_states[0]`` is the embedding: layer i is i + 1)."""
+    return concat_layers(hidden_states[1:], layer_ids)
+
+
 def kv(target: nn.Module, cache: DynamicCache) -> dict[str, DynamicCache]:
     """The cache under the keyword the target takes: ``cache`` in transformers 5, where
-    ``past_key_values`` warns and goes in 5.40; ``past_key_values`` before (this file imports
-    nothing of the project, so it does not share ``dflash.model.generate.with_cache``)."""
+    ``past_key_values`` warns and goes in 5.40; ``past_key_values`` before."""
     name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
     return {name: cache}
 

@@ -12,9 +12,7 @@ A document that cannot be had ends the run with an error naming it: nothing trai
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,7 +32,8 @@ from dflash.train.batches import MicroBatch
 from dflash.train.capture import check_capture
 from dflash.train.distributed import Dist
 from dflash.train.files import TrainFiles
-from dflash.train.topology import epoch_micro_batches, fractions, micro_batch_shape
+from dflash.train.prefetch import Window
+from dflash.train.topology import fractions, micro_batch_shape
 
 Fetch = Callable[[int, list[int], str], torch.Tensor]
 """``(sample id, its token ids, what to call it in errors) -> [T, n*H]`` states."""
@@ -58,50 +57,38 @@ class DocumentFeatures:
         forwards: Callable[[], int] = lambda: 0,
     ) -> None:
         self.fetch, self.store, self.ctx = fetch, store, ctx
-        self.width, self.dtype, self.prefetch = width, dtype, prefetch
+        self.width, self.dtype = width, dtype
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="features")
-        self.pending: deque[tuple[int, list[Row], list[Future]]] = deque()
-        self.upcoming: Iterator[tuple[int, list[Row]]] = iter(())
+        self.window = Window(prefetch, self._post, EngineError)
         self.forwards = forwards
-        self.wait_s = 0.0
-        self.began = time.perf_counter()
 
     def start(self, epoch: int, step: int) -> None:
-        self.began = time.perf_counter()
+        self.window.restart_clock()
 
     def epoch(self, steps: list[list[list[Row]]], first_step: int) -> None:
-        if self.pending:
-            raise EngineError(f"{len(self.pending)} micro-batches of features never used")
-        self.upcoming = epoch_micro_batches(steps, first_step)
-        self._post()
+        self.window.epoch(steps, first_step)
 
-    def _post(self) -> None:
-        while len(self.pending) < self.prefetch:
-            index, rows = next(self.upcoming, (None, None))
-            if index is None:
-                return
-            what = f"micro-batch {index} of drafter rank {self.ctx.rank}"
-            futures = [
-                self.pool.submit(self._document, sample_id, f"{what}, sample {sample_id}")
-                for row in rows
-                for sample_id, _, _ in row
-            ]
-            self.pending.append((index, rows, futures))
+    def _post(self, index: int, rows: list[Row]) -> list[Future]:
+        what = f"micro-batch {index} of drafter rank {self.ctx.rank}"
+        return [
+            self.pool.submit(self._document, sample_id, f"{what}, sample {sample_id}")
+            for row in rows
+            for sample_id, _, _ in row
+        ]
 
     def _document(self, sample_id: int, what: str) -> torch.Tensor:
         ids, _ = self.store[sample_id]
         return self.fetch(sample_id, [int(t) for t in ids], what)
 
-    def __call__(self, mb: MicroBatch) -> torch.Tensor:
-        index, rows, futures = self.pending.popleft()
-        began = time.perf_counter()
+    def _wait(self, index: int, futures: list[Future]) -> list[torch.Tensor]:
         try:
-            states = [f.result() for f in futures]
+            return [f.result() for f in futures]
         except BaseException:
             self.close()
             raise
-        self.wait_s += time.perf_counter() - began
-        self._post()
+
+    def __call__(self, mb: MicroBatch) -> torch.Tensor:
+        index, rows, states = self.window.take(self._wait)
         features = torch.zeros((*micro_batch_shape(rows), self.width), dtype=self.dtype)
         documents = iter(states)
         for r, row in enumerate(rows):
@@ -119,11 +106,11 @@ class DocumentFeatures:
 
     def finish(self) -> dict[str, float]:
         self.close()
-        busy = time.perf_counter() - self.began - self.wait_s
+        busy, wait_s = self.window.busy_s(), self.window.wait_s
         if self.ctx.enabled:
-            balance = fractions(self.ctx, self.wait_s, busy, "drafter")
+            balance = fractions(self.ctx, wait_s, busy, "drafter")
         else:
-            wait = self.wait_s / max(busy + self.wait_s, 1e-9)
+            wait = wait_s / max(busy + wait_s, 1e-9)
             balance = {"target_idle_fraction": 0.0, "drafter_wait_fraction": wait}
         return balance | {"target_forwards": self.forwards()}
 

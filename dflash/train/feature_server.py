@@ -32,6 +32,7 @@ from dflash.train.files import TrainFiles
 from dflash.train.init_drafter import tapped_layers
 from dflash.train.parallel import load_sharded_target
 from dflash.train.pilot import epoch_limits
+from dflash.train.step import micro_batch_features
 from dflash.train.topology import Layout, fractions, schedule, start_point, wait
 
 ROW = ("input_ids", "document_ids", "position_ids", "loss_mask")
@@ -108,6 +109,7 @@ def serve(config: Config, files: TrainFiles, ctx: Dist, layout: Layout) -> None:
     d, t = config.drafter, config.train
     layer_ids = tapped_layers(d, files.init, target.config.num_hidden_layers)
     dtype, autocast = target.get_input_embeddings().weight.dtype, autocast_for(ctx.device)
+    distills = objective_of(config).distills
     if ctx.rank == layout.drafter_ranks or layout.sharded_target:
         tokenizer = load_tokenizer(files.tokenizer)
         options = dict(config.data.chat_template_kwargs)
@@ -138,10 +140,7 @@ def serve(config: Config, files: TrainFiles, ctx: Dist, layout: Layout) -> None:
                 position_weight=config.objective.position_weight,
             ).to(ctx.device)  # fmt: skip
             with torch.inference_mode(), autocast:
-                features = target_features(
-                    target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout,
-                    last=objective_of(config).distills,
-                )  # fmt: skip
+                features = micro_batch_features(target, layer_ids, mb, distills)
             sender.send(features.to(dtype).contiguous(), drafter, index)
     sender.drain()
     busy = time.perf_counter() - began - sender.idle_s

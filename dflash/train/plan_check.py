@@ -12,9 +12,13 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from dflash.batching.errors import InvalidPlanError
-from dflash.batching.io import META_KEY, lengths_fingerprint
+from dflash.batching.io import META_KEY, PLAN_SUMMARY, lengths_fingerprint
 from dflash.config import Config
 from dflash.data.store import TokenStore
+from dflash.workspace import Workspace
+
+PLANS = Workspace().plans
+"""The plan stage's output, as a message names it to the user."""
 
 
 def check_plan(plan: dict[str, Any], store: TokenStore, config: Config, world_size: int) -> None:
@@ -46,7 +50,7 @@ def check_plan(plan: dict[str, Any], store: TokenStore, config: Config, world_si
     if problems:
         hint = "the token store changed" if "lengths_sha256" in problems[0] else "params changed"
         raise InvalidPlanError(
-            f"stale plan in data/plans ({hint}); rerun `dvc repro plan` (or `dflash plan`):\n  "
+            f"stale plan in {PLANS} ({hint}); rerun `dvc repro plan` (or `dflash plan`):\n  "
             + "\n  ".join(problems)
         )
 
@@ -61,6 +65,6 @@ def check_epoch_file(path: Path, plan: dict[str, Any], epoch: int) -> None:
     raw = (pq.read_schema(path).metadata or {}).get(META_KEY)
     if raw is None or json.loads(raw) != plan["meta"]:
         raise InvalidPlanError(
-            f"{path} was not planned with data/plans/summary.json (epoch {epoch}): "
+            f"{path} was not planned with {path.parent / PLAN_SUMMARY} (epoch {epoch}): "
             "rerun `dvc repro plan` (or `dflash plan`)"
         )

@@ -49,11 +49,18 @@ def micro_batch_loss(
     objective: Objective = PAPER,
 ) -> ObjectiveOutput:
     """Target features without gradients, then the drafter and its loss on one micro-batch."""
-    features = target_features(
-        target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout,
-        last=objective.distills,
-    )  # fmt: skip
+    features = micro_batch_features(target, layer_ids, mb, objective.distills)
     return drafter_loss(model, features, mb, gamma, objective)
+
+
+def micro_batch_features(
+    target: nn.Module, layer_ids: list[int], mb: MicroBatch, last: bool = False
+) -> torch.Tensor:
+    """The target features of one micro-batch, run the way its loader laid its rows out (with
+    the target's last hidden state after them where ``last``)."""
+    return target_features(
+        target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout, last=last
+    )
 
 
 def drafter_loss(
@@ -123,15 +130,7 @@ def forward_backward(
         last = i == len(micro_batches) - 1
         with autocast:
             features = (
-                target_features(
-                    target,
-                    mb.input_ids,
-                    mb.position_ids,
-                    mb.document_ids,
-                    layer_ids,
-                    mb.layout,
-                    last=objective.distills,
-                )  # fmt: skip
+                micro_batch_features(target, layer_ids, mb, objective.distills)
                 if features_of is None
                 else features_of(mb)
             )

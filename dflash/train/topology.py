@@ -24,8 +24,6 @@ micro-batch in a round.
 from __future__ import annotations
 
 import contextlib
-import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,9 +33,10 @@ import torch.distributed as dist
 
 from dflash.batching.io import Row
 from dflash.config import TrainConfig
-from dflash.model.features import target_features
 from dflash.train.batches import MicroBatch
 from dflash.train.distributed import Dist
+from dflash.train.prefetch import Window, epoch_micro_batches
+from dflash.train.step import micro_batch_features
 
 TIMEOUT = timedelta(seconds=600)
 """How long a rank waits on its peer before the job fails naming it (the process group's)."""
@@ -90,17 +89,6 @@ class Layout:
 def micro_batch_shape(rows: list[Row]) -> tuple[int, int]:
     """``(rows, width)`` of the micro-batch ``dflash.train.batches`` builds from ``rows``."""
     return len(rows), max(sum(length for _, _, length in row) for row in rows)
-
-
-def epoch_micro_batches(
-    steps: list[list[list[Row]]], first_step: int
-) -> Iterator[tuple[int, list[Row]]]:
-    """``(index within the epoch, rows)`` of a rank's micro-batches from ``first_step`` on."""
-    index = sum(len(step) for step in steps[:first_step])
-    for step in steps[first_step:]:
-        for rows in step:
-            yield index, rows
-            index += 1
 
 
 def schedule(
@@ -208,10 +196,7 @@ class ColocatedFeatures:
 
     def __call__(self, mb: MicroBatch) -> torch.Tensor:
         self.forwards += 1
-        return target_features(
-            self.target, mb.input_ids, mb.position_ids, mb.document_ids, self.layer_ids, mb.layout,
-            last=self.last,
-        )  # fmt: skip
+        return micro_batch_features(self.target, self.layer_ids, mb, self.last)
 
     def finish(self) -> dict[str, float]:
         return {
@@ -232,45 +217,33 @@ class DecoupledFeatures:
         self, ctx: Dist, layout: Layout, width: int, dtype: torch.dtype, prefetch: int
     ) -> None:
         self.ctx, self.layout, self.width, self.dtype = ctx, layout, width, dtype
-        self.prefetch = prefetch
         self.world = Dist(ctx.rank, layout.drafter_ranks + layout.target_ranks, 0, ctx.device)
-        self.pending: deque[tuple[int, int, torch.Tensor, dist.Work]] = deque()
-        self.upcoming: Iterator[tuple[int, list[Row]]] = iter(())
-        self.wait_s = 0.0
-        self.received = 0
-        """Micro-batches received: one target forward each, on a target rank."""
-        self.began = time.perf_counter()
+        self.window = Window(prefetch, self._post, TopologyError)
 
     def start(self, epoch: int, step: int) -> None:
         start_point(self.world, epoch, step)
-        self.began = time.perf_counter()
+        self.window.restart_clock()
 
     def epoch(self, steps: list[list[list[Row]]], first_step: int) -> None:
-        if self.pending:
-            raise TopologyError(f"{len(self.pending)} micro-batches of features never used")
-        self.upcoming = epoch_micro_batches(steps, first_step)
-        self._post()
+        self.window.epoch(steps, first_step)
 
-    def _post(self) -> None:
-        while len(self.pending) < self.prefetch:
-            index, rows = next(self.upcoming, (None, None))
-            if index is None:
-                return
-            source = self.layout.source(self.ctx.rank, index)
-            buffer = torch.empty(
-                (*micro_batch_shape(rows), self.width), dtype=self.dtype, device=self.ctx.device
-            )
-            self.pending.append((index, source, buffer, dist.irecv(buffer, src=source)))
+    def _post(self, index: int, rows: list[Row]) -> tuple[int, torch.Tensor, dist.Work]:
+        source = self.layout.source(self.ctx.rank, index)
+        buffer = torch.empty(
+            (*micro_batch_shape(rows), self.width), dtype=self.dtype, device=self.ctx.device
+        )
+        return source, buffer, dist.irecv(buffer, src=source)
 
-    def __call__(self, mb: MicroBatch) -> torch.Tensor:
-        index, source, buffer, work = self.pending.popleft()
-        began = time.perf_counter()
+    def _wait(self, index: int, request: tuple[int, torch.Tensor, dist.Work]) -> torch.Tensor:
+        source, buffer, work = request
         wait(work, self.layout, source, f"to send micro-batch {index} of drafter rank "
              f"{self.ctx.rank}")  # fmt: skip
-        self.wait_s += time.perf_counter() - began
-        self.received += 1
-        self._post()
+        return buffer
+
+    def __call__(self, mb: MicroBatch) -> torch.Tensor:
+        index, rows, buffer = self.window.take(self._wait)
         if buffer.shape[:2] != mb.input_ids.shape:
+            source = self.layout.source(self.ctx.rank, index)
             raise TopologyError(
                 f"features of micro-batch {index} from {self.layout.describe(source)} are "
                 f"{tuple(buffer.shape)}, the micro-batch is {tuple(mb.input_ids.shape)}"
@@ -278,9 +251,9 @@ class DecoupledFeatures:
         return buffer
 
     def finish(self) -> dict[str, float]:
-        busy = time.perf_counter() - self.began - self.wait_s
-        received = {"target_forwards": self.received}
-        return fractions(self.world, self.wait_s, busy, "drafter") | received
+        w = self.window
+        received = {"target_forwards": w.taken}  # one target forward each, on a target rank
+        return fractions(self.world, w.wait_s, w.busy_s(), "drafter") | received
 
 
 def feature_source(
