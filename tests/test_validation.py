@@ -21,6 +21,7 @@ from dflash.errors import ConfigError
 from dflash.model.distill import Objective
 from dflash.params import load_config
 from dflash.train import best, checkpoint
+from dflash.train.loop import Trainer
 from dflash.train.simulated import SimulatedTau
 
 BLOCKS, BLOCK, VOCAB = 3, 4, 5
@@ -156,68 +157,101 @@ SETS += ["train.eval_every=2", "train.keep_best=true"]
 """A pilot of 9 steps: validated at 2, 4, 6, 8 and at the last step, 9."""
 
 
+def script_taus(monkeypatch, taus: dict[int, float]) -> dict[int, dict]:
+    """Make each validation's τ ``taus[step]`` (the tiny drafter's is 1.0 throughout), its
+    loss and accuracy measured; returns the drafter's weights at each validation."""
+    weights, current = {}, {}
+    validate_step, validate = Trainer._validate, SimulatedTau.validate
+
+    def noting_step(self, step):
+        current["step"] = step
+        return validate_step(self, step)
+
+    def scripted(self, drafter, objective, gamma):
+        state = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+        weights[current["step"]] = state
+        figures = validate(self, drafter, objective, gamma)
+        return figures | {"val_simulated_tau": taus[current["step"]]}
+
+    monkeypatch.setattr(Trainer, "_validate", noting_step)
+    monkeypatch.setattr(SimulatedTau, "validate", scripted)
+    return weights
+
+
 def kept_files(workspace) -> list:
     (run,) = checkpoint.run_directories(workspace / "checkpoints")
     return sorted((run / best.DIRECTORY).glob("step_*"))
 
 
-@pytest.mark.slow
-def test_keep_best_exports_the_best_validation(tiny_workspace):
-    run_stages(tiny_workspace, ["plan", "train"], SETS)
-    rows = list(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))
-    validated = [row for row in rows if row["val_simulated_tau"]]
-    steps = [int(row["step"]) for row in validated]
-    assert steps == [2, 4, 6, 8, 9]
-    for row in validated:
-        assert 1.0 <= float(row["val_simulated_tau"]) <= 4.0
-        assert 0.0 <= float(row["val_accuracy"]) <= 1.0
-        assert float(row["val_loss"]) > 0.0
-    taus = [float(row["val_simulated_tau"]) for row in validated]
-    details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
-    assert details["best_step"] == steps[taus.index(max(taus))]  # the first of any tie
-    assert details["best_val_simulated_tau"] == max(taus)
-    (kept,) = kept_files(tiny_workspace)
-    with safe_open(kept, "pt") as f:
-        assert f.metadata()["step"] == str(details["best_step"])
-    weights = load_file(kept)
-    exported = load_file(tiny_workspace / "models/drafter/model.safetensors")
-    assert exported.keys() == weights.keys()
+def assert_exported(workspace, weights: dict) -> None:
+    exported = load_file(workspace / "models/drafter/model.safetensors")
+    assert exported.keys() <= weights.keys()
     for name, tensor in exported.items():
         assert torch.equal(tensor, weights[name].to(tensor.dtype)), name
 
 
+@pytest.mark.slow
+def test_keep_best_exports_the_best_validation(tiny_workspace, monkeypatch):
+    taus = {2: 1.0, 4: 1.5, 6: 1.2, 8: 1.5, 9: 1.1}  # best at 4, tied at 8: the earlier wins
+    seen = script_taus(monkeypatch, taus)
+    run_stages(tiny_workspace, ["plan", "train"], SETS)
+    rows = list(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))
+    validated = [row for row in rows if row["val_simulated_tau"]]
+    assert [int(row["step"]) for row in validated] == list(taus)
+    assert [float(row["val_simulated_tau"]) for row in validated] == list(taus.values())
+    for row in validated:
+        assert 0.0 <= float(row["val_accuracy"]) <= 1.0
+        assert float(row["val_loss"]) > 0.0
+    details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
+    assert (details["best_step"], details["best_val_simulated_tau"]) == (4, 1.5)
+    (kept,) = kept_files(tiny_workspace)
+    with safe_open(kept, "pt") as f:
+        assert f.metadata()["step"] == "4"
+    assert_exported(tiny_workspace, load_file(kept))
+    assert_exported(tiny_workspace, seen[4])
+    last = seen[9]
+    assert any(not torch.equal(seen[4][name], last[name]) for name in seen[4])
+
+
 class Interrupted(Exception):
-    """Stands for a kill right after a checkpoint is written."""
+    """Stands for a kill just before a checkpoint is written."""
 
 
 @pytest.mark.slow
 def test_a_killed_keep_best_run_resumes_to_the_same_export(
     tiny_workspace, tmp_path, monkeypatch, capsys
 ):
+    """Killed after keeping step 4's weights but before its checkpoint: the run resumes at
+    step 3, whose best is step 2, and ends with what an uninterrupted run exports."""
+    script_taus(monkeypatch, {2: 1.0, 4: 1.5, 6: 1.2, 8: 1.7, 9: 1.1})
     run_stages(tiny_workspace, ["plan"], SETS)
     resumed = tmp_path / "resumed"
     shutil.copytree(tiny_workspace, resumed)
     run_stages(tiny_workspace, ["train"], SETS)
     whole = load_file(tiny_workspace / "models/drafter/model.safetensors")
     details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
+    assert (details["best_step"], details["best_val_simulated_tau"]) == (8, 1.7)
 
     save = checkpoint.save_checkpoint
 
-    def save_then_die(directory, step, *args, **kwargs):
-        save(directory, step, *args, **kwargs)
-        if step == 3:
+    def die_before_four(directory, step, *args, **kwargs):
+        if step == 4:
             raise Interrupted
+        save(directory, step, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", die_before_four)
     with pytest.raises(Interrupted):
         run_stages(resumed, ["train"], SETS)
+    assert [p.name for p in kept_files(resumed)] == [
+        "step_00000002.safetensors", "step_00000004.safetensors"
+    ]  # fmt: skip
     capsys.readouterr()
     monkeypatch.setattr(checkpoint, "save_checkpoint", save)
     run_stages(resumed, ["train"], SETS)
     assert "resumed at epoch 0 step 3" in capsys.readouterr().out
     again = json.loads((resumed / "metrics/train_details.json").read_text())
-    assert again["best_step"] == details["best_step"]
-    assert again["best_val_simulated_tau"] == details["best_val_simulated_tau"]
+    assert (again["best_step"], again["best_val_simulated_tau"]) == (8, 1.7)
+    assert [p.name for p in kept_files(resumed)] == ["step_00000008.safetensors"]
     exported = load_file(resumed / "models/drafter/model.safetensors")
     assert whole.keys() == exported.keys()
     for name in whole:
