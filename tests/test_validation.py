@@ -204,6 +204,8 @@ def test_keep_best_exports_the_best_validation(tiny_workspace, monkeypatch):
         assert float(row["val_loss"]) > 0.0
     details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
     assert (details["best_step"], details["best_val_simulated_tau"]) == (4, 1.5)
+    card = (tiny_workspace / "models/drafter/README.md").read_text()
+    assert "| best_step | 4 |" in card
     (kept,) = kept_files(tiny_workspace)
     with safe_open(kept, "pt") as f:
         assert f.metadata()["step"] == "4"
