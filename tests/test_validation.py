@@ -20,7 +20,7 @@ from torch import nn
 from dflash.errors import ConfigError
 from dflash.model.distill import Objective
 from dflash.params import load_config
-from dflash.train import best, checkpoint
+from dflash.train import best, checkpoint, simulated
 from dflash.train.loop import Trainer
 from dflash.train.simulated import SimulatedTau
 
@@ -125,6 +125,14 @@ def test_dpace_weighted_loss_matches_speculators_definition(case):
 
     loss, _, _ = by_hand(logits, labels, counts, dpace)
     assert figures["val_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_label_log_probs_in_pieces_are_log_softmax(monkeypatch):
+    logits = torch.randn(7, VOCAB, generator=torch.Generator().manual_seed(1))
+    labels = torch.arange(7) % VOCAB
+    whole = logits.log_softmax(-1).gather(-1, labels[:, None])[:, 0]
+    monkeypatch.setattr(simulated, "LOGITS_PER_CHUNK", 2 * VOCAB)  # 2 rows a piece
+    assert torch.allclose(simulated.label_log_probs(logits, labels), whole)
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from dflash.model.distill import Objective, dpace_weights
 from dflash.model.drafter_attention import build_attention_mask
 from dflash.model.features import target_features
 from dflash.model.generate import greedy_generate
-from dflash.model.objective import block_labels, decay_weights
+from dflash.model.objective import LOGITS_PER_CHUNK, block_labels, decay_weights
 
 PROMPTS = 8
 """Held-out conversations in the batch: the first ones by id, cut before their first answer."""
@@ -100,6 +100,17 @@ def capture(
     with torch.no_grad(), autocast:
         row["features"] = target_features(target, ids, pos, docs, layer_ids)
     return row
+
+
+def label_log_probs(logits: Tensor, labels: Tensor) -> Tensor:
+    """``[N]`` fp32 log-probabilities of ``labels`` under ``logits`` ``[N, V]``, a few rows at
+    a time: an fp32 copy of a whole ``HEAD_CHUNK`` of a large vocabulary would take GBs."""
+    rows = max(1, LOGITS_PER_CHUNK // logits.shape[-1])
+    out = []
+    for part, y in zip(logits.split(rows), labels.split(rows), strict=True):
+        part = part.float()
+        out.append(part.gather(-1, y[:, None])[:, 0] - part.logsumexp(-1))
+    return torch.cat(out)
 
 
 @dataclass
@@ -177,7 +188,7 @@ class SimulatedTau:
                 logits = drafter.logits(h)
                 tops.append(logits.argmax(-1))
                 if log_probs:
-                    scores.append(logits.float().log_softmax(-1).gather(-1, y[:, None])[:, 0])
+                    scores.append(label_log_probs(logits, y))
         shape = self.labels.shape
         return torch.cat(tops).view(shape), torch.cat(scores).view(shape) if log_probs else None
 
