@@ -325,8 +325,8 @@ class TrainConfig(Section):
     """Optimizer steps between validations of the drafter on the held-out batch that
     ``simulated_tau`` uses (``dflash.train.simulated``): its loss, top-1 accuracy and
     simulated τ, logged as ``val_loss``, ``val_accuracy`` and ``val_simulated_tau``, and once
-    more at the run's last step; 0 = none. Needs the target in process (not engine or files
-    features)."""
+    more at the run's last step; 0 = none. Not with engine or files features, which run no
+    target to answer the held-out prompts."""
     keep_best: bool = False
     """Export the drafter of the validation with the highest ``val_simulated_tau`` instead of
     the last one, and report its step; needs ``eval_every`` > 0."""
