@@ -18,10 +18,12 @@ from dflash.fileio import atomic_path
 
 DIRECTORY = "best"
 """Under the run's checkpoint directory."""
+NAME = "step_{step:08d}.safetensors"
+"""One kept drafter's whole weights, with its step in the file's metadata too."""
 
 
 def best_path(run_dir: Path, step: int) -> Path:
-    return run_dir / DIRECTORY / f"step_{step:08d}.safetensors"
+    return run_dir / DIRECTORY / NAME.format(step=step)
 
 
 def keep(run_dir: Path, step: int, weights: dict[str, Tensor]) -> None:
