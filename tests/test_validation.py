@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from dflash import cli
 from dflash.errors import ConfigError
 from dflash.model.distill import Objective
 from dflash.params import load_config
@@ -151,6 +153,21 @@ def test_refused_combinations_name_the_keys(sets, keys):
     with pytest.raises(ConfigError) as refused:
         load_config("params.yaml", sets)
     assert all(key in str(refused.value) for key in keys), str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("sets", "keys"),
+    [
+        (["train.keep_best=true"], ["train.keep_best", "train.eval_every"]),
+        (["train.eval_every=2", "train.features=files"], ["train.eval_every"]),
+    ],
+)
+def test_the_command_line_refuses_them_with_exit_2(tmp_path, monkeypatch, capsys, sets, keys):
+    monkeypatch.chdir(tmp_path)
+    params = str(Path(__file__).parents[1] / "params.yaml")
+    assert cli.main(["train", "--params", params, *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert all(key in err for key in keys) and "Traceback" not in err, err
 
 
 def test_keep_best_with_validation_loads():
