@@ -321,6 +321,15 @@ class TrainConfig(Section):
     """Ranks that run the frozen target when decoupled; the job has world_size + target_ranks."""
     feature_prefetch: Int = Field(2, ge=1)
     """Micro-batches of features in flight per drafter rank when decoupled."""
+    eval_every: Int = Field(0, ge=0)
+    """Optimizer steps between validations of the drafter on the held-out batch that
+    ``simulated_tau`` uses (``dflash.train.simulated``): its loss, top-1 accuracy and
+    simulated τ, logged as ``val_loss``, ``val_accuracy`` and ``val_simulated_tau``, and once
+    more at the run's last step; 0 = none. Not with engine or files features, which run no
+    target to answer the held-out prompts."""
+    keep_best: bool = False
+    """Export the drafter of the validation with the highest ``val_simulated_tau`` instead of
+    the last one, and report its step; needs ``eval_every`` > 0."""
 
     @model_validator(mode="after")
     def _features(self) -> TrainConfig:
@@ -341,6 +350,9 @@ class TrainConfig(Section):
         require(self.optimizer != "muon" or self.parallelism != "fsdp", "train.optimizer",
                 "muon needs whole weight matrices; train.parallelism = 'fsdp' shards them: use "
                 "'adamw' or train.parallelism = 'ddp'", self.optimizer)  # fmt: skip
+        require(not self.keep_best or self.eval_every > 0, "train.keep_best",
+                "true needs validations to pick from: set train.eval_every > 0, or false",
+                self.keep_best)  # fmt: skip
         return self
 
 
@@ -469,6 +481,10 @@ class Config(BaseModel):
         require(not by_document or self.objective.loss == "ce", "objective.loss",
                  "kl needs the target's last hidden state, which engine and files features do "
                  "not carry: use ce with them", self.objective.loss)  # fmt: skip
+        require(not by_document or self.train.eval_every == 0, "train.eval_every",
+                 "validation reads the held-out batch the target answers in process, which "
+                 "engine and files features do not have: use 0 with them",
+                 self.train.eval_every)  # fmt: skip
         seq, budget, block = self.data.max_seq_len, self.batching.token_budget, self.drafter
         hold = f"must be below data.max_seq_len = {seq}, which must also hold the prompt"
         answers = [("regenerate", self.regenerate), ("evaluate", self.evaluate)]

@@ -230,6 +230,11 @@ class PlanSummary(PlanMetrics):
 class TrainDetails(Metrics):
     """``metrics/train_details.json`` (keys sorted)."""
 
+    best_step: int | None = None
+    """``train.keep_best``: the step of the validation with the highest
+    ``val_simulated_tau``, whose drafter was exported (absent when no validation ran)."""
+    best_val_simulated_tau: float | None = None
+    """That validation's simulated τ on the held-out batch."""
     data_wait_fraction: float
     drafter_sha256: str
     drafter_sources: dict[str, str] | None = None

@@ -179,6 +179,7 @@ FILE_NAME_HOMES = {
     "dflash/model/load.py",
     "dflash/metrics_schema.py",  # the JSON Schema files it writes
     "dflash/train/checkpoint.py",
+    "dflash/train/best.py",  # the best validation's weights beside the checkpoints
     "dflash/train/capture.py",  # the feature files and their manifest
     "dflash/provenance.py",  # a record per stage
 }

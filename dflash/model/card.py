@@ -20,6 +20,8 @@ TRAINING_KEYS = (
     "final_accuracy",
     "final_simulated_tau",
     "steps",
+    "best_step",
+    "best_val_simulated_tau",
     "epochs",
     "world_size",
     "padding_efficiency",
@@ -27,7 +29,8 @@ TRAINING_KEYS = (
     "loss_spikes",
 )
 """Training figures the card shows: the run's outcome, never its timings, so the same run
-writes the same card (and ``models/drafter`` keeps one hash) on the same machine."""
+writes the same card (and ``models/drafter`` keeps one hash) on the same machine. A
+``train.keep_best`` run also shows the step whose weights it holds."""
 SCORECARD_KEYS = {
     "acceptance_length": "τ (acceptance length, per response)",
     "acceptance_length_ci95": "τ 95% interval",

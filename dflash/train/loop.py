@@ -23,6 +23,7 @@ from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
+from dflash.errors import ConfigError
 from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
@@ -33,7 +34,7 @@ from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
-from dflash.train import checkpoint, nodes, topology
+from dflash.train import best, checkpoint, nodes, topology
 from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
 from dflash.train.borrowed import load_borrowed
 from dflash.train.clock import StepClock
@@ -109,6 +110,8 @@ class Trainer:
         self.total_steps = sum(self.epoch_steps)
         self.run_steps = epoch_limits(self.epoch_steps, config.train.max_steps)
         """Steps each epoch runs: all of them, or a pilot's first ``train.max_steps``."""
+        self.last_step = sum(self.run_steps)
+        """The run's last global step: it is always validated (``train.eval_every``)."""
         epochs = self.plan_meta["epochs"][: config.train.epochs]
         self.plan_tokens = sum(e["real_tokens"] for e in epochs)
         self.length_classes = length_classes(files.buckets)
@@ -143,6 +146,11 @@ class Trainer:
             else contextlib.nullcontext()
         )
         self.simulated = self._simulated(tokenizer)
+        if t.eval_every and self.simulated is None:
+            raise ConfigError(
+                f"train.eval_every = {t.eval_every} validates on held-out prompts, and "
+                f"{files.heldout} has none: set train.eval_every = 0, or hold some out"
+            )
         nodes.agree(ctx, files)
         self.fingerprint = from_rank_zero(
             ctx, lambda: checkpoint.run_fingerprint(files, weight_inputs(files, declared))
@@ -159,14 +167,14 @@ class Trainer:
             "drafter": ModelPart(self.drafter),
             **self.optim.parts(self.drafter),
         }
-        if (
-            checkpoint.resume(ctx, self.parts, self.fingerprint, self.run_dir) is not None
-            and ctx.is_main
-        ):
+        resumed = checkpoint.resume(ctx, self.parts, self.fingerprint, self.run_dir) is not None
+        if resumed and ctx.is_main:
             s = self.state
             logger.info(
                 f"resumed at epoch {s.epoch} step {s.step_in_epoch} (global step {s.global_step})"
             )
+        if not resumed and ctx.is_main:
+            best.clear(self.run_dir)
 
     def _load_target(self):
         """The frozen target, whole on this rank's device or sharded over the ranks.
@@ -230,7 +238,19 @@ class Trainer:
         balance["target_forwards"] = int(all_reduce_sum(self.ctx, forwards)[0])
         self._save()
         summary = self._summary() | balance
-        weights = full_model_state(self.drafter)
+        if t.keep_best and s.best_step >= 0:
+            weights = best.load(self.run_dir, s.best_step) if self.ctx.is_main else {}
+            summary |= {
+                "best_step": s.best_step,
+                "best_val_simulated_tau": s.best_val_simulated_tau,
+            }
+            if self.ctx.is_main:
+                logger.info(
+                    f"exporting the drafter of step {s.best_step}, the best validation "
+                    f"(val_simulated_tau {s.best_val_simulated_tau:.4f})"
+                )
+        else:
+            weights = full_model_state(self.drafter)
         if self.ctx.is_main:
             summary |= monitor.stability()
             export_run(
@@ -275,11 +295,14 @@ class Trainer:
             bar.set_postfix(loss=f"{result['loss']:.3f}", lr=f"{result['lr']:.2e}")
             step = self.state.global_step
             epoch_end = self.state.step_in_epoch == self.run_steps[epoch]
+            row = {}
             if step % c.logging.every == 0 or epoch_end:
                 row = window.row(step, epoch) | self._simulated_tau()  # every rank: FSDP-safe
-                if monitor is not None:
-                    monitor.log(row)
                 window = _Window()
+            if c.train.eval_every and (step % c.train.eval_every == 0 or step == self.last_step):
+                row = {"step": step, "epoch": epoch} | row | self._validate(step)  # every rank
+            if row and monitor is not None:
+                monitor.log(row)
             if step % c.train.checkpoint_every == 0:
                 self._save()
         bar.close()
@@ -291,11 +314,35 @@ class Trainer:
         with borrowed_unsharded(self.drafter):  # the target's embedding and head, gathered
             return {"simulated_tau": self.simulated.measure(self.drafter)}
 
+    def _validate(self, step: int) -> dict[str, float]:
+        """The ``val_*`` figures of the current drafter on the held-out batch; with
+        ``train.keep_best``, its whole weights kept when its τ beats every earlier one."""
+        with borrowed_unsharded(self.drafter):
+            figures = self.simulated.validate(
+                self.drafter, self.objective, self.config.drafter.gamma
+            )
+        if self.config.train.keep_best:
+            self._keep_if_best(step, figures["val_simulated_tau"])
+        return figures
+
+    def _keep_if_best(self, step: int, measured: float) -> None:
+        """Keep the drafter's whole weights when its τ beats every earlier validation's (a
+        tie keeps the earlier step); rank 0's τ decides for all, so the ranks agree."""
+        s = self.state
+        tau = from_rank_zero(self.ctx, lambda: measured)
+        if tau > s.best_val_simulated_tau:
+            weights = full_model_state(self.drafter)  # a collective: every rank
+            if self.ctx.is_main:
+                best.keep(self.run_dir, step, weights)
+            s.best_step, s.best_val_simulated_tau = step, tau
+
     def _save(self) -> None:
         keep, step = self.config.train.keep_checkpoints, self.state.global_step
         checkpoint.save_checkpoint(
             self.run_dir, step, self.parts, self.fingerprint, keep, self.ctx.group
         )
+        if self.config.train.keep_best and self.ctx.is_main:
+            best.prune(self.run_dir, self.state.best_step)  # the checkpoint records it now
 
     def _epoch_steps(self, epoch: int) -> list:
         """This rank's steps of the epoch's plan, checked against the plan's summary."""
@@ -392,7 +439,7 @@ class Trainer:
         weight = sum(w for _, w in last)
         final_loss = sum(loss * w for loss, w in last) / weight if weight else float("nan")
         rows = s.rows
-        last_row = rows[-1] if rows else {}
+        last_row = next((row for row in reversed(rows) if "loss" in row), {})
         tau_seconds = self.simulated.seconds if self.simulated else 0.0
         return {
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),

@@ -41,6 +41,8 @@ PLOT_COLUMNS = [
     "mean_sample_length",
     "data_wait_fraction",
 ]
+VAL_COLUMNS = ["val_loss", "val_accuracy", "val_simulated_tau"]
+"""The validation figures (``train.eval_every``): columns of the log only when a row has them."""
 
 
 class Monitor:
@@ -93,7 +95,7 @@ class Monitor:
 
     def _log_live(self, row: dict[str, Any]) -> None:
         self.live.step = row["step"]
-        for key in PLOT_COLUMNS[2:]:
+        for key in PLOT_COLUMNS[2:] + VAL_COLUMNS:
             if isinstance(row.get(key), int | float):
                 self.live.log_metric(f"train/{key}", row[key])
         for length_class, loss in row.get("loss_by_length", {}).items():
@@ -104,7 +106,8 @@ class Monitor:
         self.rows.append(row)
         self._log_live(row)
         if self.run is not None:
-            scalars = {f"train/{k}": v for k, v in row.items() if k in PLOT_COLUMNS[1:]}
+            names = PLOT_COLUMNS[1:] + VAL_COLUMNS
+            scalars = {f"train/{k}": v for k, v in row.items() if k in names}
             for k, acc in enumerate(row.get("per_position_accuracy", []), start=1):
                 scalars[f"accuracy_by_position/{k:02d}"] = acc
             self.run.log(scalars, step=row["step"])
@@ -149,7 +152,8 @@ def steps_to_csv(history: dict[str, list[float]]) -> str:
 
 def rows_to_csv(rows: list[dict[str, Any]]) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=PLOT_COLUMNS, extrasaction="ignore")
+    validated = [key for key in VAL_COLUMNS if any(key in row for row in rows)]
+    writer = csv.DictWriter(out, fieldnames=PLOT_COLUMNS + validated, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()

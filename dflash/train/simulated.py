@@ -21,10 +21,11 @@ from torch import Tensor, nn
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import stop_token_ids
+from dflash.model.distill import Objective, dpace_weights
 from dflash.model.drafter_attention import build_attention_mask
 from dflash.model.features import target_features
 from dflash.model.generate import greedy_generate
-from dflash.model.objective import block_labels
+from dflash.model.objective import LOGITS_PER_CHUNK, block_labels, decay_weights
 
 PROMPTS = 8
 """Held-out conversations in the batch: the first ones by id, cut before their first answer."""
@@ -101,6 +102,17 @@ def capture(
     return row
 
 
+def label_log_probs(logits: Tensor, labels: Tensor) -> Tensor:
+    """``[N]`` fp32 log-probabilities of ``labels`` under ``logits`` ``[N, V]``, a few rows at
+    a time: an fp32 copy of a whole ``HEAD_CHUNK`` of a large vocabulary would take GBs."""
+    rows = max(1, LOGITS_PER_CHUNK // logits.shape[-1])
+    out = []
+    for part, y in zip(logits.split(rows), labels.split(rows), strict=True):
+        part = part.float()
+        out.append(part.gather(-1, y[:, None])[:, 0] - part.logsumexp(-1))
+    return torch.cat(out)
+
+
 @dataclass
 class SimulatedTau:
     """The fixed batch, ready for the drafter: blocks, their mask, labels and target features."""
@@ -162,16 +174,32 @@ class SimulatedTau:
         )
 
     @torch.no_grad()
-    def block_taus(self, drafter) -> Tensor:
-        """``[A]``: per block, 1 + the drafts accepted before the first miss."""
+    def _slots(self, drafter, log_probs: bool = False) -> tuple[Tensor, Tensor | None]:
+        """``[A, bs]`` per block slot, from one drafter forward: its top-1 token, and with
+        ``log_probs`` the fp32 log-probability it gives the label."""
+        labels = self.labels.flatten()
         with self.autocast:
             hidden = drafter(
                 self.block_ids, self.block_positions, self.features, self.context_positions,
                 self.mask,
             )[0]  # fmt: skip
-            top = torch.cat([drafter.logits(h).argmax(-1) for h in hidden.split(HEAD_CHUNK)])
-        hits = (top.view(self.labels.shape) == self.labels) & self.counts
+            tops, scores = [], []
+            for h, y in zip(hidden.split(HEAD_CHUNK), labels.split(HEAD_CHUNK), strict=True):
+                logits = drafter.logits(h)
+                tops.append(logits.argmax(-1))
+                if log_probs:
+                    scores.append(label_log_probs(logits, y))
+        shape = self.labels.shape
+        return torch.cat(tops).view(shape), torch.cat(scores).view(shape) if log_probs else None
+
+    def _taus(self, top: Tensor) -> Tensor:
+        """``[A]``: per block, 1 + the drafts accepted before the first miss."""
+        hits = (top == self.labels) & self.counts
         return 1 + hits[:, 1:].long().cumprod(dim=1).sum(dim=1)
+
+    def block_taus(self, drafter) -> Tensor:
+        """``[A]``: per block, 1 + the drafts accepted before the first miss."""
+        return self._taus(self._slots(drafter)[0])
 
     def measure(self, drafter) -> float:
         """The mean over blocks, timed for the cost figure."""
@@ -179,3 +207,32 @@ class SimulatedTau:
         tau = self.block_taus(drafter).double().mean().item()
         self.seconds += time.perf_counter() - began
         return tau
+
+    def validate(self, drafter, objective: Objective, gamma: float) -> dict[str, float]:
+        """Validation figures of one drafter forward over the batch's counted block slots.
+
+        ``val_loss`` is the cross-entropy of the target's token (its own greedy answer, so
+        also its argmax) weighted by slot as ``objective.position_weight`` says: decay with
+        ``gamma``, or D-PACE from the drafter's probabilities; CE whatever ``objective.loss``
+        is, since the batch keeps the target's tapped features, not its distribution.
+        ``val_accuracy`` is the share of counted slots whose top-1 is that token, and
+        ``val_simulated_tau`` is :meth:`measure`'s τ. Timed into the cost figure.
+        """
+        began = time.perf_counter()
+        top, log_probs = self._slots(drafter, log_probs=True)
+        counts = self.counts
+        if objective.position_weight == "dpace":
+            weights = dpace_weights(log_probs.exp(), counts, objective.dpace_alpha)
+        else:
+            decay = decay_weights(self.labels.shape[1], gamma).to(log_probs.device)
+            weights = decay * counts
+        weights = weights.double()
+        loss = -(weights * log_probs.double()).sum() / weights.sum().clamp(min=1e-12)
+        hits = ((top == self.labels) & counts).sum()
+        figures = {
+            "val_loss": loss.item(),
+            "val_accuracy": (hits / counts.sum().clamp(min=1)).item(),
+            "val_simulated_tau": self._taus(top).double().mean().item(),
+        }
+        self.seconds += time.perf_counter() - began
+        return figures

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,10 @@ class TrainState:
     """Seconds of the steps past each process's warm-up (``dflash.train.clock``)."""
     timed_real_tokens: int = 0
     timed_padded_tokens: int = 0
+    best_step: int = -1
+    """``train.keep_best``: the global step of the best validation so far (-1: none yet)."""
+    best_val_simulated_tau: float = -math.inf
+    """Its ``val_simulated_tau``; a later validation must beat it to replace the kept weights."""
     epoch_loss: list[tuple[int, float, float]] = field(default_factory=list)
     """``(epoch, loss, weight)`` of every finite step, for the final loss."""
     rows: list[dict[str, Any]] = field(default_factory=list)
