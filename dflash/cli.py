@@ -21,7 +21,7 @@ from dflash.config import Config
 from dflash.declaration import COMMANDS, restrict, stages
 from dflash.errors import ConfigError, OutputError, UserError
 from dflash.fileio import SIGINT_EXIT, exit_on_sigterm
-from dflash.lock import launched_by_torchrun, workspace_lock
+from dflash.lock import launched_by_torchrun, record_exit, workspace_lock
 from dflash.params import load_config
 from dflash.workspace import Workspace
 
@@ -191,8 +191,6 @@ def _exit_rank(code: int) -> NoReturn:
     that thread may wait for the GIL to free the last collective's tensors (torch 2.13): the
     rank would hang, and torchrun would hold every node's job open waiting for it. Outputs are
     written whole or not at all, so nothing is left to flush but the streams."""
-    from dflash.train.launch import record_exit
-
     record_exit(code)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -7,6 +7,7 @@ the workspace's lock while it runs (``dflash.cli``; the train launcher for its r
 does ``dflash clean``. The lock is ``flock`` on a file holding the holder's PID and command:
 the kernel drops it when the holder dies however it dies, so a lock left by a dead process is
 simply taken. It is taken before any heavy import, so a busy workspace is refused at once.
+The train launcher and its torchrun ranks also agree here on what the ranks' environment says.
 """
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ from dflash.errors import UserError
 
 HELD_BY_LAUNCHER = "DFLASH_TRAIN_LOCK_HELD"
 """Set in the ranks' environment by a launcher that holds the lock for them."""
+
+
+EXIT_DIR = "DFLASH_RANK_EXITS"
+"""Where a failed rank leaves its exit status for the launcher: torchrun exits 1 whatever its
+ranks did, and a rank that refused the user's input (2) should make the job exit 2 too."""
 
 
 def launched_by_torchrun() -> bool:
@@ -54,3 +60,15 @@ def workspace_lock(path: str | Path, holder: str) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+def record_exit(code: int) -> None:
+    """Leave this rank's exit status where its launcher reads it (no-op outside one)."""
+    where = os.environ.get(EXIT_DIR)
+    if where:
+        (Path(where) / f"rank-{os.environ.get('RANK', '0')}").write_text(str(code))
+
+
+def refused(where: Path) -> bool:
+    """Whether a rank launched with ``EXIT_DIR=where`` exited 2: it refused the input."""
+    return any(f.read_text() == "2" for f in where.glob("rank-*"))

@@ -34,7 +34,7 @@ from dflash.closure import declared_inputs
 from dflash.config import Config
 from dflash.declaration import declared_params, whole
 from dflash.fileio import remove_files
-from dflash.lock import HELD_BY_LAUNCHER, launched_by_torchrun, workspace_lock
+from dflash.lock import EXIT_DIR, HELD_BY_LAUNCHER, launched_by_torchrun, refused, workspace_lock
 from dflash.train.allocator import configure_allocator
 from dflash.train.files import Declared, TrainFiles, weight_inputs
 from dflash.train.launch import Nodes
@@ -120,7 +120,7 @@ def _torchrun(
     nodes: Nodes = ONE_NODE,
     options: argparse.Namespace | None = None,
 ) -> int:
-    from dflash.train.launch import EXIT_DIR, refused, torchrun_args, worker_command
+    from dflash.train.launch import torchrun_args, worker_command
     from dflash.train.topology import Layout, processes
 
     if nodes.many and nodes.rank == 0:

@@ -15,7 +15,6 @@ import argparse
 import os
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 from dflash.config import TrainConfig
 from dflash.errors import UserError
@@ -40,10 +39,6 @@ NODE_ENV = {
 """Environment variables that stand for the options: ``dvc repro`` runs the stage's fixed
 command, so on the head they are how it spans nodes (the node count changes no result)."""
 
-EXIT_DIR = "DFLASH_RANK_EXITS"
-"""Where a failed rank leaves its exit status for the launcher: torchrun exits 1 whatever its
-ranks did, and a rank that refused the user's input (2) should make the job exit 2 too."""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     env = os.environ.get
@@ -66,18 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="where the nodes meet: the head's address and a free port (with --nnodes > 1; "
         f"or ${NODE_ENV['rdzv_endpoint']})",
     )
-
-
-def record_exit(code: int) -> None:
-    """Leave this rank's exit status where its launcher reads it (no-op outside one)."""
-    where = os.environ.get(EXIT_DIR)
-    if where:
-        (Path(where) / f"rank-{os.environ.get('RANK', '0')}").write_text(str(code))
-
-
-def refused(where: Path) -> bool:
-    """Whether a rank launched with ``EXIT_DIR=where`` exited 2: it refused the input."""
-    return any(f.read_text() == "2" for f in where.glob("rank-*"))
 
 
 def nodes_of(options: argparse.Namespace | None, processes: int, train: TrainConfig) -> Nodes:
