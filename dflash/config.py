@@ -477,14 +477,15 @@ class Config(BaseModel):
         require(self.train.topology != "engine" or bool(self.engine.endpoints),
                  "engine.endpoints", "train.topology engine needs at least one URL, e.g. "
                  "[http://127.0.0.1:8000/v1]", self.engine.endpoints)  # fmt: skip
-        by_document = self.train.topology == "engine" or self.train.features == "files"
-        require(not by_document or self.objective.loss == "ce", "objective.loss",
-                 "kl needs the target's last hidden state, which engine and files features do "
-                 "not carry: use ce with them", self.objective.loss)  # fmt: skip
-        require(not by_document or self.train.eval_every == 0, "train.eval_every",
+        engine = self.train.topology == "engine"
+        require(not engine or self.objective.loss == "ce", "objective.loss",
+                 "kl needs the target's last hidden state, which engine features do not carry: "
+                 "use ce with them, or train.features files captured by the target in process",
+                 self.objective.loss)  # fmt: skip
+        require(not engine or self.train.eval_every == 0, "train.eval_every",
                  "validation reads the held-out batch the target answers in process, which "
-                 "engine and files features do not have: use 0 with them",
-                 self.train.eval_every)  # fmt: skip
+                 "engine features do not have: use 0 with them, or train.features files "
+                 "captured by the target in process", self.train.eval_every)  # fmt: skip
         seq, budget, block = self.data.max_seq_len, self.batching.token_budget, self.drafter
         hold = f"must be below data.max_seq_len = {seq}, which must also hold the prompt"
         answers = [("regenerate", self.regenerate), ("evaluate", self.evaluate)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from dflash.model.hidden_states import (
     engine_layer_ids,
     hidden_transfer,
 )
-from dflash.train.capture import MANIFEST, check_capture
+from dflash.train.capture import MANIFEST, check_capture, heldout_row
 from dflash.train.distributed import Dist
 from dflash.train.engine import DocumentFeatures, file_fetch, served_fetch
 from dflash.train.topology import micro_batch_shape
@@ -192,11 +193,36 @@ def test_files_need_the_capture_of_the_drafters_layers(tmp_path):
         check_capture(tmp_path, LAYERS, 32)
 
 
+def test_kl_from_files_needs_the_last_hidden_state_and_ce_reads_past_it(tmp_path):
+    info = {"features": "files", "layer_ids": LAYERS, "hidden_size": 32}
+    (tmp_path / MANIFEST).write_text(json.dumps(info))
+    assert check_capture(tmp_path, LAYERS, 32) == 2
+    with pytest.raises(ConfigError, match=r"objective.loss.*rerun `dflash capture`"):
+        check_capture(tmp_path, LAYERS, 32, last=True)
+    (tmp_path / MANIFEST).write_text(json.dumps(info | {"last_hidden_state": True}))
+    assert check_capture(tmp_path, LAYERS, 32, last=True) == 3
+    from dflash.train.capture import write_sample
+
+    doc = documents(1)[0]
+    states = torch.randn(len(doc), 3, 32)
+    write_sample(tmp_path, 0, states, doc)
+    transfer = hidden_transfer("file", tmp_path)
+    for keep in (2, 3):
+        fetch = file_fetch(transfer, 3, 32, torch.float32, tmp_path, keep)
+        torch.testing.assert_close(fetch(0, doc, "sample 0"), states[:, :keep].flatten(1))
+
+
 def test_engine_params_are_checked():
     with pytest.raises(ValueError, match="engine.endpoints"):
         Config.model_validate({"train": {"topology": "engine"}})
     with pytest.raises(ValueError, match="train.features"):
         Config.model_validate({"train": {"topology": "decoupled", "features": "files"}})
+    kl = {"objective": {"loss": "kl"}}
+    Config.model_validate(kl | {"train": {"features": "files"}})
+    with pytest.raises(ValueError, match="objective.loss"):
+        Config.model_validate(
+            kl | {"train": {"topology": "engine"}, "engine": {"endpoints": ["http://h/v1"]}}
+        )
     with pytest.raises(ConfigError, match="mooncake"):
         hidden_transfer("mooncake")
 
@@ -212,10 +238,15 @@ def train(workspace: Path, *overrides: str) -> dict:
     return json.loads((workspace / WS.train_details).read_text())
 
 
-def losses(workspace: Path) -> list[float]:
+def logged(workspace: Path, column: str) -> list[float]:
     import csv
 
-    return [float(r["loss"]) for r in csv.DictReader(open(workspace / "plots/train/log.csv"))]
+    rows = csv.DictReader(open(workspace / "plots/train/log.csv"))
+    return [float(r[column]) for r in rows if r[column] != ""]
+
+
+def losses(workspace: Path) -> list[float]:
+    return logged(workspace, "loss")
 
 
 def same_drafter(a: Path, b: Path) -> None:
@@ -230,7 +261,9 @@ def same_drafter(a: Path, b: Path) -> None:
 def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_drafter(
     tiny_workspace_template, tmp_path
 ):
+    from dflash.data.tokenizer import load_tokenizer
     from dflash.model.load import load_target
+    from dflash.train.simulated import capture as heldout_batch
 
     base = tmp_path / "colocated"
     shutil.copytree(tiny_workspace_template, base)
@@ -253,6 +286,45 @@ def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_dr
     run_stages(files, ["capture"], ["train.features=files"])
     info = json.loads((files / WS.features / MANIFEST).read_text())
     assert info["bytes_per_token"] == 2 * 32 * 4 + 8 and info["samples"] > 0
+    assert info["simulated_tau"] and not info["last_hidden_state"]
     details = train(files, "train.features=files")
     same_drafter(base, files)
     assert details["target_forwards"] == 0
+    tau = logged(base, "simulated_tau")
+    assert tau and logged(files, "simulated_tau") == pytest.approx(tau, abs=1e-9, rel=0)
+    # The whole held-out batch, not only τ (an untrained drafter's is 1 on any batch).
+    made = heldout_batch(
+        base / WS.heldout, target, load_tokenizer(base / WS.tokenizer), LAYERS,
+        params["data"]["max_seq_len"], contextlib.nullcontext(),
+        params["data"].get("chat_template_kwargs", {}),
+    )  # fmt: skip
+    stored = heldout_row(files / WS.features, torch.device("cpu"))
+    assert stored.keys() == made.keys()
+    for key, value in made.items():
+        torch.testing.assert_close(stored[key], value, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+def test_kl_from_capture_files_trains_the_colocated_kl_drafter(tiny_workspace_template, tmp_path):
+    base = tmp_path / "colocated"
+    shutil.copytree(tiny_workspace_template, base)
+    params = yaml.safe_load((base / "params.yaml").read_text())
+    params["train"] |= {"world_size": 1, "epochs": 1, "max_steps": 4}
+    params["objective"] = {**params.get("objective", {}), "loss": "kl"}
+    (base / "params.yaml").write_text(yaml.safe_dump(params))
+    run_stages(base, ["plan"])
+    files = tmp_path / "files"
+    shutil.copytree(base, files)
+    train(base)
+
+    run_stages(files, ["capture"], ["train.features=files", "objective.loss=ce"])
+    cmd = [sys.executable, "-m", "dflash.cli", "train", "--set=train.features=files"]
+    refused = subprocess.run(cmd, cwd=files, env=ENV, capture_output=True, text=True)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "objective.loss" in refused.stderr and "dflash capture" in refused.stderr
+
+    run_stages(files, ["capture"], ["train.features=files"])
+    info = json.loads((files / WS.features / MANIFEST).read_text())
+    assert info["last_hidden_state"] and info["bytes_per_token"] == 3 * 32 * 4 + 8
+    assert train(files, "train.features=files")["target_forwards"] == 0
+    same_drafter(base, files)

@@ -142,7 +142,6 @@ def test_label_log_probs_in_pieces_are_log_softmax(monkeypatch):
     [
         (["train.keep_best=true"], ["train.keep_best", "train.eval_every"]),
         (["train.eval_every=-1"], ["train.eval_every"]),
-        (["train.eval_every=5", "train.features=files"], ["train.eval_every"]),
         (
             ["train.eval_every=5", "train.topology=engine", "engine.endpoints=[http://h:1/v1]"],
             ["train.eval_every"],
@@ -159,7 +158,10 @@ def test_refused_combinations_name_the_keys(sets, keys):
     ("sets", "keys"),
     [
         (["train.keep_best=true"], ["train.keep_best", "train.eval_every"]),
-        (["train.eval_every=2", "train.features=files"], ["train.eval_every"]),
+        (
+            ["train.eval_every=2", "train.topology=engine", "engine.endpoints=[http://h:1/v1]"],
+            ["train.eval_every"],
+        ),
     ],
 )
 def test_the_command_line_refuses_them_with_exit_2(tmp_path, monkeypatch, capsys, sets, keys):
@@ -173,6 +175,8 @@ def test_the_command_line_refuses_them_with_exit_2(tmp_path, monkeypatch, capsys
 def test_keep_best_with_validation_loads():
     config = load_config("params.yaml", ["train.eval_every=5", "train.keep_best=true"])
     assert (config.train.eval_every, config.train.keep_best) == (5, True)
+    files = load_config("params.yaml", ["train.eval_every=5", "train.features=files"])
+    assert files.train.eval_every == 5  # capture files hold the held-out batch
     defaults = load_config("params.yaml", [])
     assert (defaults.train.eval_every, defaults.train.keep_best) == (0, False)
 

@@ -1,5 +1,6 @@
 """The capture stage: the target's features of every training sample, written once
-(:mod:`dflash.train.capture`); only a manifest unless ``train.features`` is files."""
+(:mod:`dflash.train.capture`), and the held-out τ batch; only a manifest unless
+``train.features`` is files."""
 
 from __future__ import annotations
 
@@ -16,4 +17,6 @@ def run(config: Config, workspace: Workspace) -> None:
         workspace.target,
         workspace.features,
         None if init is None else workspace.root / init,
+        workspace.heldout,
+        workspace.tokenizer,
     )

@@ -29,7 +29,7 @@ from dflash.model.hidden_states import (
     hidden_transfer,
 )
 from dflash.train.batches import MicroBatch
-from dflash.train.capture import check_capture
+from dflash.train.capture import check_capture, distills
 from dflash.train.distributed import Dist
 from dflash.train.files import TrainFiles
 from dflash.train.prefetch import Window
@@ -124,13 +124,17 @@ def served_fetch(client) -> Fetch:
     return fetch
 
 
-def file_fetch(transfer, layers: int, hidden: int, dtype: torch.dtype, directory: Path) -> Fetch:
-    """Each document read from the ``capture`` stage's files with the library's reader."""
+def file_fetch(
+    transfer, layers: int, hidden: int, dtype: torch.dtype, directory: Path, keep: int | None = None
+) -> Fetch:
+    """Each document read from the ``capture`` stage's files with the library's reader: the
+    first ``keep`` of the ``layers`` states it holds per token (all of them by default)."""
+    width = hidden * (layers if keep is None else keep)
 
     def fetch(sample_id: int, token_ids: list[int], what: str) -> torch.Tensor:
         try:
             sample = transfer.get_cached(sample_id)
-            return checked(sample, token_ids, layers, hidden, dtype)
+            return checked(sample, token_ids, layers, hidden, dtype)[:, :width]
         except (BadStates, OSError) as err:
             raise EngineError(
                 f"{what}: {directory}: {err}; rerun `dflash capture` with train.features files"
@@ -148,10 +152,12 @@ def document_features(
     dtype = target.get_input_embeddings().weight.dtype
     store = TokenStore(files.tokenized)
     if t.features == "files":
-        check_capture(files.features, layer_ids, hidden)
+        last = distills(config)  # the KL reads the last hidden state after the layers
+        stored = check_capture(files.features, layer_ids, hidden, last)
         transfer = hidden_transfer("file", files.features)
-        fetch = file_fetch(transfer, n, hidden, dtype, files.features)
-        return DocumentFeatures(fetch, store, ctx, n * hidden, dtype, t.feature_prefetch, 2)
+        fetch = file_fetch(transfer, stored, hidden, dtype, files.features, n + last)
+        width = (n + last) * hidden
+        return DocumentFeatures(fetch, store, ctx, width, dtype, t.feature_prefetch, 2)
     client = EngineClient(
         e.endpoints, hidden_transfer(e.backend), n, hidden, dtype,
         model=e.model, timeout_s=e.timeout_s, max_retries=e.max_retries,

@@ -190,10 +190,16 @@ class Trainer:
         return load_sharded_target(self.files.target, self.ctx)
 
     def _simulated(self, tokenizer) -> SimulatedTau | None:
-        """The held-out batch for τ; a decoupled drafter rank gets its target part sent."""
+        """The held-out batch for τ; a decoupled drafter rank gets its target part sent, a
+        files run reads what the capture stage wrote."""
         layout, c = self.placement.layout, self.config
+        if c.train.features == "files":
+            from dflash.train.capture import heldout_row
+
+            row = heldout_row(self.files.features, self.ctx.device)
+            return SimulatedTau.from_row(row, self.drafter, self.autocast)
         if by_document(c.train):
-            return None  # no target here to write the batch's answers
+            return None  # engines: no target here to write the batch's answers
         if layout is not None:
             width = len(self.layer_ids) * self.target.config.hidden_size  # features only
             row = receive_row(layout, width, self.features.dtype, self.ctx.device)
