@@ -145,8 +145,9 @@ class TokenStore:
                     f"{self.directory / name}: {size} bytes, manifest says {n_tokens} tokens "
                     f"of {np.dtype(dtype).name}; the store is incomplete or corrupt"
                 )
-        self._tokens: np.ndarray | None = None
-        self._mask: np.ndarray | None = None
+        self._maps: tuple[np.ndarray, np.ndarray] | None = None
+        """Token ids and loss mask, mapped together in one assignment: threads reading
+        documents at once (``dflash.train.engine``) never see one map without the other."""
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -155,12 +156,15 @@ class TokenStore:
         """Token ids (uint32) and loss mask (uint8) of one sample, as views of the maps."""
         if not 0 <= sample_id < len(self):
             raise IndexError(f"sample_id {sample_id} out of range for {len(self)} samples")
-        if self._tokens is None:
-            self._tokens = self._map(STORE_TOKENS, TOKEN_DTYPE)
-            self._mask = self._map(STORE_LOSS_MASK, MASK_DTYPE)
+        if self._maps is None:
+            self._maps = (
+                self._map(STORE_TOKENS, TOKEN_DTYPE),
+                self._map(STORE_LOSS_MASK, MASK_DTYPE),
+            )
+        tokens, mask = self._maps
         start = int(self.offsets[sample_id])
         stop = start + int(self.lengths[sample_id])
-        return self._tokens[start:stop], self._mask[start:stop]
+        return tokens[start:stop], mask[start:stop]
 
     def _map(self, name: str, dtype: type) -> np.ndarray:
         if self.manifest["n_tokens"] == 0:
@@ -168,4 +172,4 @@ class TokenStore:
         return np.memmap(self.directory / name, dtype=dtype, mode="r")
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokens": None, "_mask": None}
+        return {**self.__dict__, "_maps": None}
