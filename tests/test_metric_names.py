@@ -1,5 +1,6 @@
-"""The names a run writes are declared once (:mod:`dflash.train.metric_names`), checked
-against the metrics models before training, and each producer writes exactly its list."""
+"""The names a run writes are declared once (:mod:`dflash.train.metric_names`), those of its
+metrics files checked against their models before training, and each producer writes exactly
+its list."""
 
 from types import SimpleNamespace
 
@@ -8,7 +9,7 @@ import torch
 
 from dflash.train import metric_names
 from dflash.train.loop import Trainer, _Window
-from dflash.train.metric_names import ROW, SUMMARY, MetricNameError
+from dflash.train.metric_names import PLOT_COLUMNS, SERIES, SUMMARY, MetricNameError
 from dflash.train.monitor import Monitor
 from dflash.train.state import TrainState
 from dflash.train.topology import ColocatedFeatures
@@ -22,7 +23,8 @@ def test_the_declared_names_fit_the_files_they_end_up_in():
     "patch, named",
     [
         ({"SUMMARY": {**SUMMARY, "the export": ("drafter_sha265",)}}, "drafter_sha265"),
-        ({"ROW": tuple(n.replace("accuracy", "acuracy") for n in ROW)}, "acuracy"),
+        ({"SUMMARY": {**SUMMARY, "the export": ()}}, "requires 'drafter_sha256'"),
+        ({"TRAINING_KEYS": ("final_los",)}, "final_los"),
     ],
 )
 def test_a_misspelt_name_is_refused_before_the_trainer_loads_anything(monkeypatch, patch, named):
@@ -43,7 +45,7 @@ def _result() -> dict:
 def test_each_producer_writes_exactly_its_declared_names():
     window = _Window()
     window.add(_result(), seconds=1.0, wait=0.1, length_class="short")
-    assert [*window.row(step=1, epoch=0), "simulated_tau"] == list(ROW)
+    assert {*window.row(step=1, epoch=0), "simulated_tau"} == {*PLOT_COLUMNS, *SERIES}
 
     trainer = SimpleNamespace(
         state=TrainState(), simulated=None, plan_tokens=0, timed=[], total_steps=1,

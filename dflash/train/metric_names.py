@@ -1,25 +1,20 @@
-"""The names a training run writes, declared once and held against the files they end up in
-when the trainer is built: a misspelt name fails before the first step, not when the finished
-run writes its metrics hours later.
-
-A log row's figures become the columns of ``plots/train/log.csv`` (:data:`PLOT_COLUMNS` and
-:data:`VAL_COLUMNS`); the run's summary becomes ``metrics/train_details.json``
-(:class:`TrainDetails`), whose headline and model-card figures are some of its fields. The
-tests hold each producer's keys to its list here.
+"""The names a training run writes, declared once. Those that end up in a metrics file are
+held against its model when the trainer is built, so a misspelt one fails before the first step
+rather than when the finished run writes ``metrics/train_details.json``; the tests hold each
+producer's keys to its list here.
 """
 
 from __future__ import annotations
 
 from dflash.metrics_schema import TrainDetails, TrainHeadline, leaves
 from dflash.model.card import TRAINING_KEYS
-from dflash.train.monitor import PLOT_COLUMNS, VAL_COLUMNS
 
-ROW = (
+PLOT_COLUMNS = [
     "step",
     "epoch",
     "loss",
     "accuracy",
-    "per_position_accuracy",
+    "simulated_tau",
     "lr",
     "grad_norm",
     "tokens_per_s",
@@ -27,13 +22,13 @@ ROW = (
     "padding_efficiency",
     "mean_sample_length",
     "data_wait_fraction",
-    "loss_by_length",
-    "simulated_tau",
-)
-"""A log row: ``_Window.row``'s figures and ``Trainer._simulated_tau``'s; validation rows add
-:data:`VAL_COLUMNS`."""
+]
+"""The columns of ``plots/train/log.csv``: ``_Window.row``'s figures and
+``Trainer._simulated_tau``'s."""
 SERIES = ("per_position_accuracy", "loss_by_length")
 """A row's lists: the monitor logs them by position and by length class, never as columns."""
+VAL_COLUMNS = ["val_loss", "val_accuracy", "val_simulated_tau"]
+"""The validation figures (``train.eval_every``): columns of the log only when a row has them."""
 
 SUMMARY = {
     "Trainer._summary": (
@@ -69,24 +64,16 @@ SUMMARY = {
 
 
 class MetricNameError(RuntimeError):
-    """A name the run writes has no place in its file, or a place nothing fills."""
+    """A name the run writes has no field in its file's model, or a field nothing fills."""
 
 
 def check() -> None:
-    """Raise :class:`MetricNameError` listing every mismatch between the names above and the
-    log's columns, :class:`TrainDetails`, its headline and the model card."""
-    columns = [*PLOT_COLUMNS, *VAL_COLUMNS, *SERIES]
+    """Raise :class:`MetricNameError` listing every summary name :class:`TrainDetails` has no
+    field for, every field it requires that nothing writes, and every name its headline or
+    the model card reads that it lacks."""
     details = TrainDetails.model_fields
     written = {name for names in SUMMARY.values() for name in names}
     problems = [
-        f"a log row's {name!r} is no column of plots/train/log.csv ({', '.join(columns)})"
-        for name in ROW
-        if name not in columns
-    ]
-    problems += [
-        f"the log column {name!r} is in no row" for name in PLOT_COLUMNS if name not in ROW
-    ]
-    problems += [
         f"{producer} writes {name!r}, which TrainDetails has no field for"
         for producer, names in SUMMARY.items()
         for name in names
