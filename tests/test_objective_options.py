@@ -191,6 +191,21 @@ def test_objective_options_equal_the_dense_reference(target, drafter, monkeypatc
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def packed_and_alone(loss, a, b, anchors, alone_anchors):
+    """``loss(ids, docs, pos, anchors)`` of documents ``a`` and ``b`` packed in one row, and the
+    sum of their losses each in a row of its own (``alone_anchors``, one list each)."""
+    docs = torch.cat([torch.full((len(a),), 0), torch.full((len(b),), 1)])[None]
+    pos = torch.cat([torch.arange(len(a)), torch.arange(len(b))])[None]
+    with torch.no_grad():
+        packed = loss(torch.cat([a, b])[None], docs, pos, torch.tensor([anchors]))
+        alone = [
+            loss(ids[None], torch.zeros_like(ids)[None], torch.arange(len(ids))[None],
+                 torch.tensor([at]))
+            for ids, at in zip((a, b), alone_anchors, strict=True)
+        ]  # fmt: skip
+    return packed, alone[0] + alone[1]
+
+
 def test_packed_rows_give_each_document_its_own_target_distribution(target, drafter):
     """A packed row's last hidden state is each document's own: the kl loss equals the sum
     over the documents run one per row."""
@@ -204,16 +219,7 @@ def test_packed_rows_give_each_document_its_own_target_distribution(target, draf
         args = (drafter, feats, ids, mask, docs, pos, anchors, 7.0)
         return dflash_objective(*args, flex=False, objective=how).loss_sum
 
-    with torch.no_grad():
-        packed = loss(
-            torch.cat([a, b])[None],
-            torch.tensor([[0] * 9 + [1] * 8]),
-            torch.tensor([list(range(9)) + list(range(8))]),
-            torch.tensor([[1, 4, 9, 12]]),
-        )
-        alone = loss(a[None], torch.zeros(1, 9, dtype=torch.long), torch.arange(9)[None],
-                     torch.tensor([[1, 4]])) + loss(b[None], torch.zeros(1, 8, dtype=torch.long),
-                     torch.arange(8)[None], torch.tensor([[0, 3]]))  # fmt: skip
+    packed, alone = packed_and_alone(loss, a, b, [1, 4, 9, 12], ([1, 4], [0, 3]))
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
 
 
@@ -288,16 +294,7 @@ def test_a_window_counts_inside_each_document_of_a_packed_row(target):
         args = (windowed, feats, ids, docs >= 0, docs, pos, anchors, 7.0)
         return dflash_objective(*args, flex=False).loss_sum
 
-    with torch.no_grad():
-        packed = loss(
-            torch.cat([a, b])[None],
-            torch.tensor([[0] * 10 + [1] * 9]),
-            torch.tensor([list(range(10)) + list(range(9))]),
-            torch.tensor([[2, 5, 10, 14]]),
-        )
-        alone = loss(a[None], torch.zeros(1, 10, dtype=torch.long), torch.arange(10)[None],
-                     torch.tensor([[2, 5]])) + loss(b[None], torch.zeros(1, 9, dtype=torch.long),
-                     torch.arange(9)[None], torch.tensor([[0, 4]]))  # fmt: skip
+    packed, alone = packed_and_alone(loss, a, b, [2, 5, 10, 14], ([2, 5], [0, 4]))
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
 
 
