@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,10 @@ import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import run_stage
+from dflash.model.drafter import DFlashDrafter
+from dflash.model.drafter_attention import build_block_mask
+from dflash.model.generate import greedy_generate
+from dflash.model.objective import block_labels
 from dflash.params import load_config
 from dflash.train.checkpoint import CHECKPOINT_NAME
 from dflash.train.distributed import Dist, init_distributed
@@ -77,6 +82,79 @@ def tiny_qwen3(
         intermediate_size=intermediate_size,
     )
     return Qwen3ForCausalLM(config).eval()
+
+
+BLOCK_SIZE = 4
+MASK_ID = 299
+"""The model tests' drafter block size and mask token (a token id of the tiny vocabulary)."""
+
+
+def tiny_drafter(target, layers: int = 2, features: int = 2, **options) -> DFlashDrafter:
+    """A drafter over ``target`` of ``layers`` layers reading ``features`` target layers, block
+    size :data:`BLOCK_SIZE` and mask token :data:`MASK_ID` unless ``options`` say otherwise."""
+    options = {"block_size": BLOCK_SIZE, "mask_token_id": MASK_ID, **options}
+    return DFlashDrafter.from_target(
+        target, num_hidden_layers=layers, num_target_features=features, **options
+    )
+
+
+@pytest.fixture(scope="module")
+def target() -> Qwen3ForCausalLM:
+    """The model tests' target: five layers, so two features skip some."""
+    return tiny_qwen3(num_hidden_layers=5)
+
+
+@pytest.fixture(scope="module")
+def drafter(target) -> DFlashDrafter:
+    return tiny_drafter(target)
+
+
+def drafter_grads(drafter: DFlashDrafter, loss: torch.Tensor) -> list[torch.Tensor]:
+    """The gradient of ``loss`` for each drafter parameter, the earlier ones cleared first."""
+    drafter.zero_grad()
+    loss.backward()
+    return [p.grad.clone() for p in drafter.parameters()]
+
+
+def dense_blocks(drafter, features, ids, loss_mask, docs, pos, anchors):
+    """Every anchor's block through the drafter under a dense mask: its hidden states
+    ``(rows, anchors, block, hidden)``, then the block labels and which of them count. The
+    reference the chunked, two-part objective is held to."""
+    bs = drafter.config.block_size
+    rows, count = anchors.shape
+    slot = torch.arange(bs)
+    first = ids.gather(1, anchors.clamp(min=0))[:, :, None]
+    block_ids = torch.where(slot == 0, first, drafter.config.mask_token_id).flatten(1)
+    block_pos = (pos.gather(1, anchors.clamp(min=0))[:, :, None] + slot).flatten(1)
+    mask = build_block_mask(anchors, docs, bs, ids.shape[1])
+    hidden = drafter(block_ids, block_pos, features, pos, mask).view(rows, count, bs, -1)
+    return (hidden, *block_labels(ids, loss_mask, docs, anchors, bs))
+
+
+def assert_drafts_losslessly(model, target, stop: bool = False) -> None:
+    """An exported drafter's ``spec_generate`` writes the target's greedy tokens; with
+    ``stop``, it also ends at a stop token, that token the last."""
+    for prompt in ([5], [1, 2, 3], [7, 250, 7, 250, 7]):
+        reference = greedy_generate(target, prompt, 20)
+        ids = torch.tensor([prompt])
+        out = model.spec_generate(target=target, input_ids=ids, max_new_tokens=20)
+        assert out[0, len(prompt) :].tolist() == reference
+        if stop:
+            token = reference[6]
+            out = model.spec_generate(
+                target=target, input_ids=ids, max_new_tokens=20, stop_token_ids=[token]
+            )
+            assert out[0, len(prompt) :].tolist() == reference[: reference.index(token) + 1]
+
+
+@pytest.fixture
+def hub_modules(tmp_path, monkeypatch):
+    """Remote code is copied under a temporary modules cache, not the user's ~/.cache."""
+    import transformers.dynamic_module_utils as dynamic
+
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return tmp_path / "modules"
 
 
 DATA_STAGES = ["ingest", "tokenizer", "target", "regenerate", "tokenize", "stats", "plan"]

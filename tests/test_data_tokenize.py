@@ -1,6 +1,7 @@
 """Tokenize: assistant-only loss mask for any template, length policy, the token store."""
 
 import json
+import logging
 import pickle
 
 import numpy as np
@@ -282,8 +283,9 @@ def test_interrupted_stages_leave_their_old_outputs(tmp_path, monkeypatch):
     assert after == before
 
 
-def test_zero_samples_fails_with_the_report_and_writes_nothing(tmp_path, monkeypatch, capsys):
-    """Every answer shorter than 2 x block_size loss tokens: exit 1, the report says why."""
+def test_zero_samples_fails_with_the_report_and_writes_nothing(tmp_path, monkeypatch, caplog):
+    """Every answer shorter than 2 x block_size loss tokens: exit 1, the error logged with the
+    report says why (the record itself: ``run_stage`` sets up the terminal handler)."""
     monkeypatch.chdir(tmp_path)
     source = tmp_path / "data/raw/chats.jsonl"
     source.parent.mkdir(parents=True)
@@ -298,8 +300,8 @@ def test_zero_samples_fails_with_the_report_and_writes_nothing(tmp_path, monkeyp
         drafter=DrafterConfig(block_size=200),
     )
     assert tokenize_stage.run(config, WS) == 1
-    err = capsys.readouterr().err
-    report = json.loads(err[err.index("{") :])
+    (error,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    report = json.loads(error[error.index("{") :])
     assert report["n_samples"] == 0 and report["dropped"]["too_few_loss_tokens"] == 3
     assert report["assistant_turns"]["learned"] == 6
     assert not WS.tokenized.exists()

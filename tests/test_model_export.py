@@ -7,12 +7,11 @@ import json
 import logging
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_qwen3
+from conftest import assert_drafts_losslessly, tiny_drafter, tiny_qwen3
 from safetensors import safe_open
 from transformers import AutoModel, Qwen3Config
 
@@ -26,17 +25,9 @@ from dflash.model.export import (
     loader_notes,
     read_config,
 )
-from dflash.model.generate import greedy_generate
 
 FIXTURE = Path(__file__).parent / "fixtures" / "zlab_qwen3_8b_dflash_b16_config.json"
 """The keys of z-lab's public Qwen3-8B-DFlash-b16 ``config.json``, written by hand from it."""
-
-
-def drafter_for(target, layers: int = 1, features: int = 3) -> DFlashDrafter:
-    return DFlashDrafter.from_target(
-        target, block_size=4, num_hidden_layers=layers, num_target_features=features,
-        mask_token_id=299,
-    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +38,7 @@ def target():
 
 
 def test_config_has_every_key_of_the_public_zlab_config(target, tmp_path):
-    export_drafter(drafter_for(target), tmp_path / "drafter", target.config)
+    export_drafter(tiny_drafter(target, 1, 3), tmp_path / "drafter", target.config)
     ours = json.loads((tmp_path / "drafter/config.json").read_text())
     public = json.loads(FIXTURE.read_text())
     assert sorted(set(public) - set(ours)) == []
@@ -67,7 +58,7 @@ def test_config_has_every_key_of_the_public_zlab_config(target, tmp_path):
 
 def test_weights_are_saved_in_the_dtype_the_target_runs_in(tmp_path):
     target = tiny_qwen3().to(torch.bfloat16)
-    drafter = drafter_for(target)
+    drafter = tiny_drafter(target, 1, 3)
     drafter.save_pretrained(tmp_path, target.config)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
@@ -77,7 +68,7 @@ def test_weights_are_saved_in_the_dtype_the_target_runs_in(tmp_path):
 
 
 def test_config_reads_back_as_built_and_refuses_missing_keys(target):
-    drafter = drafter_for(target)
+    drafter = tiny_drafter(target, 1, 3)
     data = config_json(drafter.config, target.config)
     assert read_config(data) == drafter.config
     del data["head_dim"], data["dflash_config"]["target_layer_ids"]
@@ -87,9 +78,9 @@ def test_config_reads_back_as_built_and_refuses_missing_keys(target):
 
 def test_export_names_the_loaders_that_need_target_layer_ids(target, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="dflash")
-    export_drafter(drafter_for(target, layers=1, features=3), tmp_path / "a", target.config)
+    export_drafter(tiny_drafter(target, 1, 3), tmp_path / "a", target.config)
     assert "eagle_aux_hidden_state_layer_ids" in caplog.text
-    assert loader_notes(drafter_for(target, layers=2, features=2).config) == []
+    assert loader_notes(tiny_drafter(target).config) == []
 
 
 def imported_packages(path: Path) -> set[str]:
@@ -103,22 +94,9 @@ def imported_packages(path: Path) -> set[str]:
     return {name.split(".")[0] for name in names}
 
 
-@pytest.fixture
-def hub_modules(tmp_path, monkeypatch):
-    """Remote code is copied under a temporary modules cache, not the user's ~/.cache."""
-    import transformers.dynamic_module_utils as dynamic
-
-    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "modules"))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    return tmp_path / "modules"
-
-
 @pytest.mark.filterwarnings("error:`past_key_values` is deprecated:FutureWarning")
 def test_export_loads_through_automodel_and_decodes_losslessly(target, tmp_path, hub_modules):
-    drafter = DFlashDrafter.from_target(
-        target, block_size=4, num_hidden_layers=2, num_target_features=3, mask_token_id=299,
-        mask_token="<|MASK|>", seed=1,
-    )  # fmt: skip
+    drafter = tiny_drafter(target, 2, 3, mask_token="<|MASK|>", seed=1)
     export_drafter(drafter, tmp_path / "drafter", target.config)
     config = json.loads((tmp_path / "drafter/config.json").read_text())
     assert config["dflash_config"]["mask_token"] == "<|MASK|>"
@@ -143,16 +121,7 @@ def test_export_loads_through_automodel_and_decodes_losslessly(target, tmp_path,
         theirs = model(target.get_input_embeddings()(block), features, positions)
         mine = drafter(block, positions[:, 7:], features, positions[:, :7])
     torch.testing.assert_close(theirs, mine)
-    for prompt in ([5], [1, 2, 3], [7, 250, 7, 250, 7]):
-        reference = greedy_generate(target, prompt, 20)
-        out = model.spec_generate(
-            target=target, input_ids=torch.tensor([prompt]), max_new_tokens=20
-        )
-        assert out[0, len(prompt) :].tolist() == reference
-        stop = reference[6]
-        out = model.spec_generate(target=target, input_ids=torch.tensor([prompt]),
-                                  max_new_tokens=20, stop_token_ids=[stop])  # fmt: skip
-        assert out[0, len(prompt) :].tolist() == reference[: reference.index(stop) + 1]
+    assert_drafts_losslessly(model, target, stop=True)
 
 
 def test_export_dtype_auto_is_the_dtype_the_target_config_serves_in(tmp_path):
@@ -162,14 +131,14 @@ def test_export_dtype_auto_is_the_dtype_the_target_config_serves_in(tmp_path):
     assert export_dtype("auto", tmp_path / "fp32") == torch.float32
     assert export_dtype("float16", tmp_path / "bf16") == torch.float16
     target = tiny_qwen3()  # runs in fp32 here, as the CPU default does; the export follows dtype
-    drafter_for(target).save_pretrained(tmp_path / "out", target.config, torch.bfloat16)
+    tiny_drafter(target, 1, 3).save_pretrained(tmp_path / "out", target.config, torch.bfloat16)
     assert json.loads((tmp_path / "out/config.json").read_text())["dtype"] == "bfloat16"
     with safe_open(str(tmp_path / "out/model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
 
 
 def test_model_card_says_how_to_serve_and_what_trained_it(target):
-    config = config_json(drafter_for(target).config, target.config, torch.bfloat16)
+    config = config_json(tiny_drafter(target, 1, 3).config, target.config, torch.bfloat16)
     params = {"drafter": {"block_size": 4}, "train": {"lr": 0.003}}
     training = {"final_loss": 0.77, "steps": 462, "train_seconds": 61.5, "tokens_per_s": 9e3}
     card = model_card(config, "Qwen/Qwen3-8B", params, training)
@@ -199,10 +168,7 @@ def test_the_cards_snippet_runs_from_a_fresh_export(tmp_path, hub_modules, monke
     target = tiny_qwen3(vocab_size=len(tokenizer))
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
-    drafter = DFlashDrafter.from_target(
-        target, block_size=4, num_hidden_layers=1, num_target_features=3,
-        mask_token_id=tokenizer.mask_token_id,
-    )  # fmt: skip
+    drafter = tiny_drafter(target, 1, 3, mask_token_id=tokenizer.mask_token_id)
     config = config_json(drafter.config, target.config, torch.float32)
     params = {"data": {"source": "my/chats.jsonl"}, "drafter": {"block_size": 4}}
     card = model_card(config, "models/target", params, {"final_loss": 1.0})

@@ -6,33 +6,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_qwen3
-from transformers import Qwen3ForCausalLM
+from conftest import BLOCK_SIZE, dense_blocks, drafter_grads
 
 from dflash.model import drafter as drafter_module
 from dflash.model import drafter_attention as attention
 from dflash.model import objective
 from dflash.model.anchors import sample_anchors
-from dflash.model.drafter import DFlashDrafter
-from dflash.model.drafter_attention import build_block_mask
 from dflash.model.features import target_features
 from dflash.model.layer_ids import target_layer_ids
 from dflash.model.objective import block_labels, decay_weights, dflash_objective
-
-BS = 4
-MASK = 299
-
-
-@pytest.fixture(scope="module")
-def target() -> Qwen3ForCausalLM:
-    return tiny_qwen3(num_hidden_layers=5)
-
-
-@pytest.fixture(scope="module")
-def drafter(target) -> DFlashDrafter:
-    return DFlashDrafter.from_target(
-        target, block_size=BS, num_hidden_layers=2, num_target_features=2, mask_token_id=MASK
-    )
 
 
 def test_target_layer_ids_rule():
@@ -64,13 +46,13 @@ def test_labels_are_same_position_and_slot_zero_is_excluded():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1]])
     docs = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1]])
     anchors = torch.tensor([[2, 5, -1]])
-    labels, counts = block_labels(input_ids, loss_mask, docs, anchors, BS)
+    labels, counts = block_labels(input_ids, loss_mask, docs, anchors, BLOCK_SIZE)
     assert labels[0, 0].tolist() == [12, 13, 14, 15]  # slot k predicts input_ids[p + k]
     assert counts[0, 0].tolist() == [False, True, True, False]  # slot 0; loss mask at 5
     assert counts[0, 1].tolist() == [False, False, False, False]  # 6, 7 are another document
     assert not counts[0, 2].any()  # no anchor
     anchors = torch.tensor([[6]])
-    _, counts = block_labels(input_ids, loss_mask, torch.zeros_like(docs), anchors, BS)
+    _, counts = block_labels(input_ids, loss_mask, torch.zeros_like(docs), anchors, BLOCK_SIZE)
     assert counts[0, 0].tolist() == [False, True, False, False]  # 8, 9 are out of bounds
 
 
@@ -91,7 +73,7 @@ def test_loss_weights_and_accuracy_counts(target, drafter):
     features = target_features(target, ids, pos, docs, drafter.config.target_layer_ids)
     out = dflash_objective(drafter, features, ids, loss, docs, pos, torch.tensor([[0, 8, -1]]), 7.0)
     assert out.counted.tolist() == [0, 2, 2, 2]
-    assert torch.isclose(out.weight_sum, 2 * decay_weights(BS, 7.0).sum())
+    assert torch.isclose(out.weight_sum, 2 * decay_weights(BLOCK_SIZE, 7.0).sum())
     assert torch.isfinite(out.loss_sum) and out.loss_sum > 0
     assert (out.correct <= out.counted).all()
 
@@ -212,26 +194,13 @@ def test_bf16_autocast_loss_is_close_to_fp32(target, drafter):
 def _unchunked_objective(drafter, features, ids, loss_mask, docs, pos, anchors, gamma):
     """The objective as first written: dense mask, full-vocabulary logits for every label."""
     bs = drafter.config.block_size
-    R, A = anchors.shape
-    slot = torch.arange(bs)
-    first = ids.gather(1, anchors.clamp(min=0))[:, :, None]
-    block_ids = torch.where(slot == 0, first, drafter.config.mask_token_id).flatten(1)
-    block_pos = (pos.gather(1, anchors.clamp(min=0))[:, :, None] + slot).flatten(1)
-    mask = build_block_mask(anchors, docs, bs, ids.shape[1])
-    hidden = drafter(block_ids, block_pos, features, pos, mask).view(R, A, bs, -1)
-    labels, counts = block_labels(ids, loss_mask, docs, anchors, bs)
+    hidden, labels, counts = dense_blocks(drafter, features, ids, loss_mask, docs, pos, anchors)
     logits = drafter.logits(hidden[counts]).float()
-    slots = slot.expand_as(labels)[counts]
+    slots = torch.arange(bs).expand_as(labels)[counts]
     weights = decay_weights(bs, gamma)[slots]
     ce = F.cross_entropy(logits, labels[counts], reduction="none")
     hits = logits.argmax(dim=-1) == labels[counts]
     return (weights * ce).sum(), torch.bincount(slots[hits], minlength=bs)
-
-
-def _drafter_grads(drafter, loss):
-    drafter.zero_grad()
-    loss.backward()
-    return [p.grad.clone() for p in drafter.parameters()]
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -257,9 +226,9 @@ def test_objective_equals_the_unchunked_dense_computation(target, drafter, monke
     ref_loss, ref_correct = _unchunked_objective(
         drafter, features, ids, loss_mask, docs, pos, anchors, 7.0
     )
-    ref_grads = _drafter_grads(drafter, ref_loss)
+    ref_grads = drafter_grads(drafter, ref_loss)
     out = dflash_objective(drafter, features, ids, loss_mask, docs, pos, anchors, 7.0)
-    grads = _drafter_grads(drafter, out.loss_sum)
+    grads = drafter_grads(drafter, out.loss_sum)
     torch.testing.assert_close(out.loss_sum, ref_loss, atol=1e-5, rtol=1e-5)
     assert torch.equal(out.correct, ref_correct)
     for got, want in zip(grads, ref_grads, strict=True):

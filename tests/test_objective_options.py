@@ -8,37 +8,25 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_qwen3
-from test_model_export import hub_modules  # noqa: F401  (a fixture)
-from test_model_objective import _drafter_grads
+from conftest import (
+    BLOCK_SIZE,
+    assert_drafts_losslessly,
+    dense_blocks,
+    drafter_grads,
+    tiny_drafter,
+)
 from test_train import assert_kill_and_resume_is_bitwise
 from transformers import AutoModel
 
 from dflash.config import ObjectiveConfig
 from dflash.model import objective
 from dflash.model.distill import Objective, WeightedHeadLoss, dpace_weights, head_terms
-from dflash.model.drafter import PAPER_RULE, DFlashDrafter, layer_rules, rule_masks
-from dflash.model.drafter_attention import build_block_mask
+from dflash.model.drafter import PAPER_RULE, layer_rules, rule_masks
 from dflash.model.export import config_json, export_drafter, read_config
 from dflash.model.features import target_features
-from dflash.model.generate import greedy_generate
 from dflash.model.objective import block_labels, decay_weights, dflash_objective
 
-BS = 4
-MASK = 299
 V, H = 50, 16
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_qwen3(num_hidden_layers=5)
-
-
-@pytest.fixture(scope="module")
-def drafter(target) -> DFlashDrafter:
-    return DFlashDrafter.from_target(
-        target, block_size=BS, num_hidden_layers=2, num_target_features=2, mask_token_id=MASK
-    )
 
 
 def _head(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,22 +143,16 @@ def test_head_terms_confidence_is_the_labels_probability():
 def _reference(drafter, target, ids, loss_mask, docs, pos, anchors, how: Objective):
     """The objective with a dense mask, full logits, and the target's own forward for the
     distribution (its logits at p + k - 1), one document per row."""
-    bs = drafter.config.block_size
-    R, A = anchors.shape
+    bs, rows = drafter.config.block_size, anchors.shape[0]
     slot = torch.arange(bs)
     features = target_features(target, ids, pos, docs, drafter.config.target_layer_ids)
-    first = ids.gather(1, anchors.clamp(min=0))[:, :, None]
-    block_ids = torch.where(slot == 0, first, drafter.config.mask_token_id).flatten(1)
-    block_pos = (pos.gather(1, anchors.clamp(min=0))[:, :, None] + slot).flatten(1)
-    mask = build_block_mask(anchors, docs, bs, ids.shape[1])
-    hidden = drafter(block_ids, block_pos, features, pos, mask).view(R, A, bs, -1)
-    labels, counts = block_labels(ids, loss_mask, docs, anchors, bs)
+    hidden, labels, counts = dense_blocks(drafter, features, ids, loss_mask, docs, pos, anchors)
     log_q = F.log_softmax(drafter.logits(hidden).float(), dim=-1)
     ce = -log_q.gather(-1, labels[..., None])[..., 0]
     with torch.no_grad():
         target_logits = target(input_ids=ids, position_ids=pos).logits.float()
     before = (anchors[:, :, None] + slot - 1).clamp(min=0)
-    log_p = F.log_softmax(target_logits[torch.arange(R)[:, None, None], before], dim=-1)
+    log_p = F.log_softmax(target_logits[torch.arange(rows)[:, None, None], before], dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)
     per_label = {"ce": ce, "kl": kl, "ce+kl": ce + kl}[how.loss]
     if how.position_weight == "decay":
@@ -194,19 +176,34 @@ def test_objective_options_equal_the_dense_reference(target, drafter, monkeypatc
     loss_mask = torch.rand(2, 13, generator=gen) < 0.85
     anchors = torch.tensor([[0, 3, 7], [2, 6, -1]])
     ref = _reference(drafter, target, ids, loss_mask, docs, pos, anchors, how)
-    ref_grads = _drafter_grads(drafter, ref)
+    ref_grads = drafter_grads(drafter, ref)
     features = target_features(
         target, ids, pos, docs, drafter.config.target_layer_ids, last=how.distills
     )
     out = dflash_objective(
         drafter, features, ids, loss_mask, docs, pos, anchors, 7.0, flex=False, objective=how
     )
-    grads = _drafter_grads(drafter, out.loss_sum)
+    grads = drafter_grads(drafter, out.loss_sum)
     torch.testing.assert_close(out.loss_sum, ref, atol=1e-4, rtol=1e-4)
     if how.position_weight == "dpace":  # normalised by the label count
-        assert out.weight_sum == block_labels(ids, loss_mask, docs, anchors, BS)[1].sum()
+        assert out.weight_sum == block_labels(ids, loss_mask, docs, anchors, BLOCK_SIZE)[1].sum()
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def packed_and_alone(loss, a, b, anchors, alone_anchors):
+    """``loss(ids, docs, pos, anchors)`` of documents ``a`` and ``b`` packed in one row, and the
+    sum of their losses each in a row of its own (``alone_anchors``, one list each)."""
+    docs = torch.cat([torch.full((len(a),), 0), torch.full((len(b),), 1)])[None]
+    pos = torch.cat([torch.arange(len(a)), torch.arange(len(b))])[None]
+    with torch.no_grad():
+        packed = loss(torch.cat([a, b])[None], docs, pos, torch.tensor([anchors]))
+        alone = [
+            loss(ids[None], torch.zeros_like(ids)[None], torch.arange(len(ids))[None],
+                 torch.tensor([at]))
+            for ids, at in zip((a, b), alone_anchors, strict=True)
+        ]  # fmt: skip
+    return packed, alone[0] + alone[1]
 
 
 def test_packed_rows_give_each_document_its_own_target_distribution(target, drafter):
@@ -222,16 +219,7 @@ def test_packed_rows_give_each_document_its_own_target_distribution(target, draf
         args = (drafter, feats, ids, mask, docs, pos, anchors, 7.0)
         return dflash_objective(*args, flex=False, objective=how).loss_sum
 
-    with torch.no_grad():
-        packed = loss(
-            torch.cat([a, b])[None],
-            torch.tensor([[0] * 9 + [1] * 8]),
-            torch.tensor([list(range(9)) + list(range(8))]),
-            torch.tensor([[1, 4, 9, 12]]),
-        )
-        alone = loss(a[None], torch.zeros(1, 9, dtype=torch.long), torch.arange(9)[None],
-                     torch.tensor([[1, 4]])) + loss(b[None], torch.zeros(1, 8, dtype=torch.long),
-                     torch.arange(8)[None], torch.tensor([[0, 3]]))  # fmt: skip
+    packed, alone = packed_and_alone(loss, a, b, [1, 4, 9, 12], ([1, 4], [0, 3]))
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
 
 
@@ -273,16 +261,15 @@ def test_rule_masks_match_a_brute_force_rule_in_packed_rows(window, causal):
     docs = torch.tensor([[0] * 9 + [1] * 7 + [-1] * 2, [0] * 12 + [1] * 6])
     pos = torch.tensor([list(range(9)) + list(range(7)) + [0, 0], list(range(12)) + list(range(6))])
     anchors = torch.tensor([[2, 7, 9, 12], [0, 5, 11, 13]])
-    block_pos = (pos.gather(1, anchors)[:, :, None] + torch.arange(BS)).flatten(1)
-    masks = rule_masks(None, {(window, causal)}, anchors, docs, BS, pos, block_pos)
-    want = _brute_force_mask(anchors, docs, pos, BS, window, causal)
+    block_pos = (pos.gather(1, anchors)[:, :, None] + torch.arange(BLOCK_SIZE)).flatten(1)
+    masks = rule_masks(None, {(window, causal)}, anchors, docs, BLOCK_SIZE, pos, block_pos)
+    want = _brute_force_mask(anchors, docs, pos, BLOCK_SIZE, window, causal)
     assert masks[PAPER_RULE] is None and torch.equal(masks[(window, causal)], want)
 
 
 def _windowed(target, layer_types=("sliding_attention", "full_attention"), window=3, causal=True):
-    return DFlashDrafter.from_target(
-        target, block_size=BS, num_hidden_layers=len(layer_types), num_target_features=2,
-        mask_token_id=MASK, seed=2, layer_types=list(layer_types), sliding_window=window,
+    return tiny_drafter(
+        target, len(layer_types), seed=2, layer_types=list(layer_types), sliding_window=window,
         causal=causal,
     )  # fmt: skip
 
@@ -307,23 +294,14 @@ def test_a_window_counts_inside_each_document_of_a_packed_row(target):
         args = (windowed, feats, ids, docs >= 0, docs, pos, anchors, 7.0)
         return dflash_objective(*args, flex=False).loss_sum
 
-    with torch.no_grad():
-        packed = loss(
-            torch.cat([a, b])[None],
-            torch.tensor([[0] * 10 + [1] * 9]),
-            torch.tensor([list(range(10)) + list(range(9))]),
-            torch.tensor([[2, 5, 10, 14]]),
-        )
-        alone = loss(a[None], torch.zeros(1, 10, dtype=torch.long), torch.arange(10)[None],
-                     torch.tensor([[2, 5]])) + loss(b[None], torch.zeros(1, 9, dtype=torch.long),
-                     torch.arange(9)[None], torch.tensor([[0, 4]]))  # fmt: skip
+    packed, alone = packed_and_alone(loss, a, b, [2, 5, 10, 14], ([2, 5], [0, 4]))
     torch.testing.assert_close(packed, alone, atol=1e-4, rtol=1e-4)
 
 
 def test_a_sliding_window_drafter_exports_its_layers_and_decodes_losslessly(
     target,
     tmp_path,
-    hub_modules,  # noqa: F811
+    hub_modules,
 ):
     windowed = _windowed(target)
     export_drafter(windowed, tmp_path / "drafter", target.config)
@@ -337,25 +315,20 @@ def test_a_sliding_window_drafter_exports_its_layers_and_decodes_losslessly(
     # The shipped dflash.py applies the trained rule: its drafts are the trainer's, whose
     # training mask over one anchor at the context's end is the same attention.
     torch.manual_seed(0)
-    features, block = torch.randn(1, 7, 2 * 32), torch.randint(0, 300, (1, BS))
-    positions = torch.arange(7 + BS)[None]
-    docs = torch.zeros(1, 7 + BS, dtype=torch.long)
+    features, block = torch.randn(1, 7, 2 * 32), torch.randint(0, 300, (1, BLOCK_SIZE))
+    positions = torch.arange(7 + BLOCK_SIZE)[None]
+    docs = torch.zeros(1, 7 + BLOCK_SIZE, dtype=torch.long)
     anchors = torch.tensor([[7]])
-    masks = rule_masks(None, layer_rules(windowed.config), anchors, docs, BS, positions,
+    masks = rule_masks(None, layer_rules(windowed.config), anchors, docs, BLOCK_SIZE, positions,
                        positions[:, 7:])  # fmt: skip
-    padded = torch.cat([features, torch.zeros(1, BS, 2 * 32)], dim=1)
+    padded = torch.cat([features, torch.zeros(1, BLOCK_SIZE, 2 * 32)], dim=1)
     with torch.no_grad():
         theirs = model(target.get_input_embeddings()(block), features, positions)
         cached = windowed(block, positions[:, 7:], features, positions[:, :7])
         trained = windowed(block, positions[:, 7:], padded, positions, masks)
     torch.testing.assert_close(theirs, cached)
     torch.testing.assert_close(theirs, trained)
-    for prompt in ([5], [1, 2, 3], [7, 250, 7, 250, 7]):
-        reference = greedy_generate(target, prompt, 20)
-        out = model.spec_generate(
-            target=target, input_ids=torch.tensor([prompt]), max_new_tokens=20
-        )
-        assert out[0, len(prompt) :].tolist() == reference
+    assert_drafts_losslessly(model, target)
 
 
 def test_drafter_layer_params_are_checked():

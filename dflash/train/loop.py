@@ -34,7 +34,7 @@ from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, target_device_dtype
 from dflash.progress import progress_bar
-from dflash.train import best, checkpoint, nodes, topology
+from dflash.train import best, checkpoint, metric_names, nodes, topology
 from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
 from dflash.train.borrowed import load_borrowed
 from dflash.train.clock import StepClock
@@ -97,6 +97,7 @@ class Trainer:
         ctx: Dist,
         placement: Placement | None = None,
     ) -> None:
+        metric_names.check()  # before hours of training, not after
         self.config = config
         self.files = files
         self.declared = declared

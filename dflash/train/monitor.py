@@ -23,26 +23,10 @@ from dflash.config import Config
 from dflash.dvclive_logger import open_live
 from dflash.fileio import write_text_atomic
 from dflash.train.composition import spearman
+from dflash.train.metric_names import PLOT_COLUMNS, VAL_COLUMNS
 from dflash.train.stability import is_spike, stability
 
 logger = logging.getLogger(__name__)
-
-PLOT_COLUMNS = [
-    "step",
-    "epoch",
-    "loss",
-    "accuracy",
-    "simulated_tau",
-    "lr",
-    "grad_norm",
-    "tokens_per_s",
-    "padded_tokens_per_s",
-    "padding_efficiency",
-    "mean_sample_length",
-    "data_wait_fraction",
-]
-VAL_COLUMNS = ["val_loss", "val_accuracy", "val_simulated_tau"]
-"""The validation figures (``train.eval_every``): columns of the log only when a row has them."""
 
 
 class Monitor:
