@@ -103,10 +103,11 @@ def test_stale_plan_is_refused_with_what_differs(tiny_workspace, monkeypatch):
     meta = read_plan_meta(Path("data/plans"))
     config = load_config("params.yaml", ["train.world_size=4", "batching.token_budget=999"])
     with pytest.raises(InvalidPlanError) as err:
-        check_plan(meta, store, config, world_size=4)
+        check_plan(meta, store, config, world_size=4, plans=Path("data/plans"))
     assert "world_size: plan has 2, this run needs 4" in str(err.value)
+    assert "stale plan in data/plans" in str(err.value)
     assert "token_budget" in str(err.value)
-    check_plan(meta, store, load_config("params.yaml"), world_size=2)
+    check_plan(meta, store, load_config("params.yaml"), world_size=2, plans=Path("data/plans"))
 
 
 def test_single_process_run_writes_metrics_plots_and_drafter(tiny_workspace):

@@ -106,7 +106,7 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         self.store = TokenStore(files.tokenized)
         self.plan_meta = read_plan_meta(files.plans)
-        check_plan(self.plan_meta, self.store, config, ctx.world_size)
+        check_plan(self.plan_meta, self.store, config, ctx.world_size, files.plans)
         self.epoch_steps = [e["n_steps"] for e in self.plan_meta["epochs"]][: config.train.epochs]
         self.total_steps = sum(self.epoch_steps)
         self.run_steps = epoch_limits(self.epoch_steps, config.train.max_steps)

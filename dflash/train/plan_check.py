@@ -15,13 +15,12 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import META_KEY, PLAN_SUMMARY, lengths_fingerprint
 from dflash.config import Config
 from dflash.data.store import TokenStore
-from dflash.workspace import Workspace
-
-PLANS = Workspace().plans
-"""The plan stage's output, as a message names it to the user."""
 
 
-def check_plan(plan: dict[str, Any], store: TokenStore, config: Config, world_size: int) -> None:
+def check_plan(
+    plan: dict[str, Any], store: TokenStore, config: Config, world_size: int, plans: Path
+) -> None:
+    """Raise naming every way ``plan``, read from the directory ``plans``, is not this run's."""
     meta = plan["meta"]
     expected = {
         "lengths_sha256": lengths_fingerprint(store.lengths),
@@ -50,7 +49,7 @@ def check_plan(plan: dict[str, Any], store: TokenStore, config: Config, world_si
     if problems:
         hint = "the token store changed" if "lengths_sha256" in problems[0] else "params changed"
         raise InvalidPlanError(
-            f"stale plan in {PLANS} ({hint}); rerun `dvc repro plan` (or `dflash plan`):\n  "
+            f"stale plan in {plans} ({hint}); rerun `dvc repro plan` (or `dflash plan`):\n  "
             + "\n  ".join(problems)
         )
 

@@ -33,9 +33,8 @@ def preflight(config: Config, files: TrainFiles, nnodes: int = 1) -> None:
     Capacity is this node's: its share of the job's ranks over ``nnodes`` nodes."""
     if files.target.exists():  # drafter.* changes rerun train, not the target stage's check
         check_drafter(config, files)
-    check_plan(
-        read_plan_meta(files.plans), TokenStore(files.tokenized), config, config.train.world_size
-    )
+    plan, store = read_plan_meta(files.plans), TokenStore(files.tokenized)
+    check_plan(plan, store, config, config.train.world_size, files.plans)
     t = config.train
     target = Path(resolve_target_path(files.target)) if files.target.exists() else None
     if t.features == "files" or t.topology == "engine":
