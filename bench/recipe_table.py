@@ -34,26 +34,23 @@ T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
 """Student's t, 97.5th percentile, by degrees of freedom: the paired interval over seeds."""
 
 
-def paired(deltas: list[float]) -> str:
+def paired(deltas: list[float], digits: int = 3) -> str:
     """Mean difference and its 95% interval over seeds; ``*`` when it excludes 0."""
     mean = statistics.fmean(deltas)
     if len(deltas) < 2:
-        return f"{mean:+.3f}"
+        return f"{mean:+,.{digits}f}"
     half = T_975[len(deltas) - 1] * statistics.stdev(deltas) / len(deltas) ** 0.5
     mark = "*" if abs(mean) > half else ""
-    return f"{mean:+.3f} [{mean - half:+.3f}, {mean + half:+.3f}]{mark}"
+    return f"{mean:+,.{digits}f} [{mean - half:+,.{digits}f}, {mean + half:+,.{digits}f}]{mark}"
 
 
 def row(name: str, runs: list[dict], base: list[dict]) -> str:
     cells = [name]
     for key in FIGURES.values():
-        values = [r[key] for r in runs]
-        cells.append(f"{statistics.fmean(values):,.3f}" if key != "tokens_per_s" else
-                     f"{statistics.fmean(values):,.0f}")  # fmt: skip
-        if runs is not base:
-            cells.append(paired([r[key] - b[key] for r, b in zip(runs, base, strict=True)]))
-        else:
-            cells.append("")
+        digits = 0 if key == "tokens_per_s" else 3
+        cells.append(f"{statistics.fmean(r[key] for r in runs):,.{digits}f}")
+        deltas = [r[key] - b[key] for r, b in zip(runs, base, strict=True)]
+        cells.append("" if runs is base else paired(deltas, digits))
     return "| " + " | ".join(cells) + " |"
 
 
