@@ -140,7 +140,8 @@ def main() -> None:
         prompts = appended(repo, "data/prompts/README.md", "\n")
         expect(repo, "a file under data/prompts", prompts, {"evaluate"})
         init = appended(repo, "models/init/README.md", "\n")
-        expect(repo, "a file under models/init", init, {"train"})
+        # capture too: the tapped layers of a drafter initialised from there are its features'
+        expect(repo, "a file under models/init", init, {"capture", "train"})
         expect(repo, "knob train.num_workers", param_edit("train.num_workers", 2), set())
         for key, value in (("train.lr", 1e-3), ("batching.seed", 3), ("data.max_seq_len", 80)):
             expect(repo, f"param {key}", param_edit(key, value), params_readers(key))
