@@ -303,21 +303,25 @@ class Trainer:
             step = self.state.global_step
             epoch_end = self.state.step_in_epoch == self.run_steps[epoch]
             row = {}
-            if step % c.logging.every == 0 or epoch_end:
-                row = window.row(step, epoch) | self._simulated_tau()  # every rank: FSDP-safe
-                window = _Window()
             if c.train.eval_every and (step % c.train.eval_every == 0 or step == self.last_step):
-                row = {"step": step, "epoch": epoch} | row | self._validate(step)  # every rank
+                row = {"step": step, "epoch": epoch} | self._validate(step)  # every rank
+            if step % c.logging.every == 0 or epoch_end:
+                tau = self._simulated_tau(row.get("val_simulated_tau"))  # every rank: FSDP-safe
+                row = window.row(step, epoch) | tau | row
+                window = _Window()
             if row and monitor is not None:
                 monitor.log(row)
             if step % c.train.checkpoint_every == 0:
                 self._save()
         bar.close()
 
-    def _simulated_tau(self) -> dict[str, float]:
-        """τ of the current drafter on the fixed held-out batch (none without held-out data)."""
+    def _simulated_tau(self, validated: float | None = None) -> dict[str, float]:
+        """τ of the current drafter on the fixed held-out batch (none without held-out data);
+        ``validated``, this step's validation τ, is the same figure, so it is not measured again."""
         if self.simulated is None:
             return {}
+        if validated is not None:
+            return {"simulated_tau": validated}
         with borrowed_unsharded(self.drafter):  # the target's embedding and head, gathered
             return {"simulated_tau": self.simulated.measure(self.drafter)}
 
