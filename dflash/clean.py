@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from dflash.config import Config
-from dflash.declaration import whole
+from dflash.declaration import unrestricted
 from dflash.errors import UserError
 from dflash.lock import workspace_lock
 from dflash.workspace import Workspace
@@ -75,7 +75,7 @@ def _current(config: Config, workspace: Workspace) -> str | None:
     from dflash.train.checkpoint import RUN_ID_CHARS
 
     try:
-        return fingerprint(whole(config), workspace)[:RUN_ID_CHARS]
+        return fingerprint(unrestricted(config), workspace)[:RUN_ID_CHARS]
     except (OSError, UserError, ValueError):
         return None
 

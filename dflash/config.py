@@ -468,7 +468,7 @@ class Config(BaseModel):
     evaluate: EvaluateConfig = EvaluateConfig()
     export: ExportConfig = ExportConfig()
     logging: LoggingConfig = LoggingConfig()
-    _whole: Config | None = PrivateAttr(None)
+    _unrestricted: Config | None = PrivateAttr(None)
     """Behind a ``restrict``-ed view, the params it was cut from: to hand on, never to read."""
 
     @model_validator(mode="after")

@@ -91,14 +91,14 @@ def restrict(config: Config, allowed: Iterable[str]) -> Config:
             del view.__dict__[key]
         sections[name] = view
     view = Config.model_construct(**sections)
-    view._whole = whole(config)
+    view._unrestricted = unrestricted(config)
     return view
 
 
-def whole(config: Config) -> Config:
+def unrestricted(config: Config) -> Config:
     """All params behind a ``restrict``-ed view: to hand on to a child process, which restricts
     them again, never to read."""
-    return config._whole or config
+    return config._unrestricted or config
 
 
 def declared_params(config: Config) -> dict[str, dict[str, Any]]:

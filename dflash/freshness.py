@@ -12,10 +12,7 @@ from pathlib import Path
 
 from dflash.fingerprint import path_digest
 from dflash.metrics_schema import TrainDetails, read
-from dflash.workspace import Workspace
-
-NAMES = Workspace()
-"""The workspace's paths relative to its root: how the messages name them."""
+from dflash.workspace import RELATIVE
 
 
 def stale_drafter(root: Path) -> str | None:
@@ -24,23 +21,27 @@ def stale_drafter(root: Path) -> str | None:
     Metrics without a digest (written before digests were recorded) prove nothing either way
     and pass.
     """
-    if not (root / NAMES.drafter).is_dir():
+    if not (root / RELATIVE.drafter).is_dir():
         return None
-    metrics = root / NAMES.train_metrics
+    metrics = root / RELATIVE.train_metrics
     rerun = "rerun the train stage (`dvc repro train` or `dflash train`)"
     if not metrics.exists():
         return (
-            f"{NAMES.train_metrics} is missing: the last training run did not finish, so "
-            f"{NAMES.drafter} is left from an older run; {rerun}"
+            f"{RELATIVE.train_metrics} is missing: the last training run did not finish, so "
+            f"{RELATIVE.drafter} is left from an older run; {rerun}"
         )
-    details = NAMES.train_details if (root / NAMES.train_details).exists() else NAMES.train_metrics
+    details = (
+        RELATIVE.train_details
+        if (root / RELATIVE.train_details).exists()
+        else RELATIVE.train_metrics
+    )
     train = read(TrainDetails, root / details)
     if isinstance(train, str):
         return f"{details} is unreadable: the last training run did not finish; {rerun}"
     recorded = train.drafter_sha256
-    if recorded is not None and recorded != path_digest(root / NAMES.drafter):
+    if recorded is not None and recorded != path_digest(root / RELATIVE.drafter):
         return (
-            f"{NAMES.drafter} is not the drafter the last training run wrote (its digest "
+            f"{RELATIVE.drafter} is not the drafter the last training run wrote (its digest "
             f"differs from the one in {details}); {rerun}"
         )
     return None

@@ -21,10 +21,7 @@ from dflash.config import SET_NAME, Config
 from dflash.errors import ConfigError
 from dflash.fileio import not_a_file
 from dflash.param_types import Located, SubkeyError
-from dflash.workspace import Workspace
-
-NAMES = Workspace()
-"""The workspace's paths as params name them: relative to the directory stages run in."""
+from dflash.workspace import RELATIVE
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -132,7 +129,7 @@ def outside_message(root: Path, what: str = "a file") -> str:
 
 
 def check_location(
-    source: str, key: str = "data.source", root: Path = NAMES.raw, what: str = "a file"
+    source: str, key: str = "data.source", root: Path = RELATIVE.raw, what: str = "a file"
 ) -> None:
     """A file source must lie under ``root``, which ``dvc.yaml`` tracks: elsewhere it could
     change unnoticed. Checked where params load from a file, not in the schema, so code and
@@ -157,10 +154,10 @@ def load_config(path: str | Path | None = "params.yaml", overrides: list[str] = 
     check_location(config.data.source)
     for name, spec in config.evaluate.sets.items():
         if spec.path is not None:
-            check_location(spec.path, f"evaluate.sets.{name}.path", NAMES.prompts)
+            check_location(spec.path, f"evaluate.sets.{name}.path", RELATIVE.prompts)
     if config.drafter.init_from is not None:
         what = "a checkpoint directory"
-        check_location(config.drafter.init_from, "drafter.init_from", NAMES.init_drafters, what)
+        check_location(config.drafter.init_from, "drafter.init_from", RELATIVE.init_drafters, what)
     return config
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.config import Config
-from dflash.declaration import declared_params, restrict, stages, whole
+from dflash.declaration import declared_params, restrict, stages, unrestricted
 from dflash.errors import UserError
 from dflash.fileio import write_json_atomic
 from dflash.fingerprint import digest
@@ -34,7 +34,7 @@ class StaleInput(UserError):
 
 def check(stage: str, config: Config, workspace: Workspace) -> None:
     """Raise ``StaleInput`` when an input of ``stage`` was made from other params."""
-    given = _flat(declared_params(whole(config)))
+    given = _flat(declared_params(unrestricted(config)))
     problems = []
     for producer, output in _inputs(stage):
         made = _valid_record(producer, workspace)
@@ -58,7 +58,7 @@ def record(stage: str, config: Config, workspace: Workspace) -> None:
     for producer, _ in _inputs(stage):
         made |= _valid_record(producer, workspace) or {}
     declared = stages()[stage]
-    made |= _flat(declared_params(restrict(whole(config), declared.params)))
+    made |= _flat(declared_params(restrict(unrestricted(config), declared.params)))
     entry = {"params": made, "signature": _signature(workspace, declared.writes)}
     write_json_atomic(_record_path(workspace, stage), entry, sort_keys=True)
 

@@ -23,10 +23,7 @@ from dflash.freshness import stale_drafter
 from dflash.metrics_schema import EvalDetails, EvalHeadline, M, flaw
 from dflash.model import hf_files
 from dflash.model.card import SCORECARD_HEADING, SCORECARD_NOTE, scorecard_section
-from dflash.workspace import Workspace
-
-NAMES = Workspace()
-"""The workspace's paths relative to its root."""
+from dflash.workspace import RELATIVE
 
 EXPORT_FILES = (hf_files.CONFIG, hf_files.WEIGHTS, hf_files.REMOTE_CODE, hf_files.MODEL_CARD)
 """What an export holds, hence a previous publish (with any other file the export now holds)."""
@@ -38,20 +35,22 @@ RERUN = "rerun the evaluate stage (`dvc repro evaluate` or `dflash evaluate`)"
 def scored_metrics(root: Path) -> EvalDetails:
     """The evaluation details under ``root``, when they and the headline ``dvc exp show``
     reads scored the drafter there; else why not."""
-    if not (root / NAMES.drafter).is_dir():
+    if not (root / RELATIVE.drafter).is_dir():
         raise UserError(
-            f"{NAMES.drafter} is missing: run the train stage (`dvc repro train` or "
+            f"{RELATIVE.drafter} is missing: run the train stage (`dvc repro train` or "
             "`dflash train`), then evaluate"
         )
     stale = stale_drafter(root)
     if stale:
         raise UserError(stale)
-    metrics = load(root, EvalDetails, NAMES.eval_details)
-    if metrics.drafter_sha256 != path_digest(root / NAMES.drafter):
-        raise UserError(f"{NAMES.eval_details} scored other weights than {NAMES.drafter}: {RERUN}")
-    shown = load(root, EvalHeadline, NAMES.eval_metrics)
+    metrics = load(root, EvalDetails, RELATIVE.eval_details)
+    if metrics.drafter_sha256 != path_digest(root / RELATIVE.drafter):
+        raise UserError(
+            f"{RELATIVE.eval_details} scored other weights than {RELATIVE.drafter}: {RERUN}"
+        )
+    shown = load(root, EvalHeadline, RELATIVE.eval_metrics)
     if shown.dump() != eval_headline(metrics).dump():
-        raise UserError(f"{NAMES.eval_metrics} does not match {NAMES.eval_details}: {RERUN}")
+        raise UserError(f"{RELATIVE.eval_metrics} does not match {RELATIVE.eval_details}: {RERUN}")
     return metrics
 
 
@@ -70,7 +69,7 @@ def publish(root: Path, out: Path) -> None:
     """Copy the scored export with its scorecard to ``out``, whole or not at all.
 
     ``out`` must be absent, empty or a previous publish (:func:`require_publish_or_empty`)."""
-    source = root / NAMES.drafter
+    source = root / RELATIVE.drafter
     require_publish_or_empty(out, root)
     metrics = scored_metrics(root)
     from dflash.eval.strata import scorecard_rows  # imports torch: not for --help or a refusal
@@ -90,7 +89,7 @@ def require_publish_or_empty(out: Path, root: Path) -> None:
     card that carries a scorecard: what this command wrote there before. The ``.tmp`` and
     ``.old`` directories the swap uses beside ``out`` may hold export files only.
     """
-    source = root / NAMES.drafter
+    source = root / RELATIVE.drafter
     names = set(EXPORT_FILES)
     if source.is_dir():
         names.update(p.name for p in source.iterdir())
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, FileNotFoundError) as err:
         print(f"dflash publish: {err}", file=sys.stderr)
         return 2
-    print(f"dflash publish: {args.root / NAMES.drafter} and its scorecard -> {args.out}")
+    print(f"dflash publish: {args.root / RELATIVE.drafter} and its scorecard -> {args.out}")
     return 0
 
 

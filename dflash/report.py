@@ -23,12 +23,9 @@ from dflash.data.store import STORE_MANIFEST
 from dflash.eval.loops import text_ends_in_loop
 from dflash.eval.strata import scorecard_rows
 from dflash.freshness import stale_drafter
-from dflash.workspace import Workspace
+from dflash.workspace import RELATIVE, Workspace
 
-NAMES = Workspace()
-"""The workspace's paths relative to its root."""
-
-PLAN_SUMMARY = NAMES.plans / PLAN_SUMMARY_FILE
+PLAN_SUMMARY = RELATIVE.plans / PLAN_SUMMARY_FILE
 M = TypeVar("M", bound=ms.Metrics)
 
 
@@ -200,7 +197,7 @@ def looping_turns(root: Path) -> int | None:
     against the regenerated turns.
     """
     try:
-        rows = read_conversations(root / NAMES.regenerated_conversations)
+        rows = read_conversations(root / RELATIVE.regenerated_conversations)
     except Exception:  # a report never raises: a missing or unreadable file shows n/a
         return None
     turns = [m["content"] for r in rows for m in r["messages"] if m["role"] == "assistant"]
@@ -317,19 +314,19 @@ def advice(regen: ms.RegenerateReport | str, ev: ms.EvalDetails | str) -> list[s
 
 
 CHECKED: list[tuple[Path, type[ms.Metrics], str]] = [
-    (NAMES.ingest_report, ms.IngestReport, "ingest"),
-    (NAMES.regenerate_report, ms.RegenerateReport, "regenerate"),
-    (NAMES.regenerate_metrics, ms.RegenerateHeadline, "regenerate"),
-    (NAMES.tokenize_report, ms.TokenizeReport, "tokenize"),
-    (NAMES.tokenized / STORE_MANIFEST, ms.TokenManifest, "tokenize"),
-    (NAMES.target_details, ms.TargetDetails, "target"),
-    (NAMES.target_metrics, ms.TargetHeadline, "target"),
+    (RELATIVE.ingest_report, ms.IngestReport, "ingest"),
+    (RELATIVE.regenerate_report, ms.RegenerateReport, "regenerate"),
+    (RELATIVE.regenerate_metrics, ms.RegenerateHeadline, "regenerate"),
+    (RELATIVE.tokenize_report, ms.TokenizeReport, "tokenize"),
+    (RELATIVE.tokenized / STORE_MANIFEST, ms.TokenManifest, "tokenize"),
+    (RELATIVE.target_details, ms.TargetDetails, "target"),
+    (RELATIVE.target_metrics, ms.TargetHeadline, "target"),
     (PLAN_SUMMARY, ms.PlanSummary, "plan"),
-    (NAMES.plan_metrics, ms.PlanMetrics, "plan"),
-    (NAMES.train_details, ms.TrainDetails, "train"),
-    (NAMES.train_metrics, ms.TrainHeadline, "train"),
-    (NAMES.eval_details, ms.EvalDetails, "evaluate"),
-    (NAMES.eval_metrics, ms.EvalHeadline, "evaluate"),
+    (RELATIVE.plan_metrics, ms.PlanMetrics, "plan"),
+    (RELATIVE.train_details, ms.TrainDetails, "train"),
+    (RELATIVE.train_metrics, ms.TrainHeadline, "train"),
+    (RELATIVE.eval_details, ms.EvalDetails, "evaluate"),
+    (RELATIVE.eval_metrics, ms.EvalHeadline, "evaluate"),
 ]
 """Every file the report, ``dvc exp show`` and ``publish`` read, its model and its stage."""
 
@@ -359,7 +356,7 @@ def scorecard(d: ms.EvalDetails) -> list[str]:
     """Set x stratum: τ per response, its 95% interval, the n-gram baseline's τ, prompts."""
     out = [f"{'':13}{'set':<12}{'stratum':<16}{'tau':>6}{'95% CI':>13}{'n-gram':>8}{'n':>6}"]
     if unreadable_strata(d):  # a hand-edited or partial file: no table
-        return [f"{'':13}unreadable strata in {NAMES.eval_details}"]
+        return [f"{'':13}unreadable strata in {RELATIVE.eval_details}"]
     for r in scorecard_rows(d):
         ci = r.get("acceptance_length_ci95")
         pair = isinstance(ci, list) and len(ci) == 2
@@ -392,7 +389,7 @@ def section(label: str, stage: str, data: ms.Metrics | dict | str, lines: Any) -
 
 def batching(root: Path) -> dict[str, Any] | str:
     """The plan's figures, and its strategy from ``data/plans/summary.json``."""
-    plan = read(root, ms.PlanMetrics, NAMES.plan_metrics, PLAN_SUMMARY)
+    plan = read(root, ms.PlanMetrics, RELATIVE.plan_metrics, PLAN_SUMMARY)
     summary = read(root, ms.PlanSummary, PLAN_SUMMARY)
     if isinstance(plan, str):
         return plan
@@ -414,26 +411,28 @@ def plan_lines(d: dict[str, Any]) -> list[str]:
 
 def token_store(root: Path) -> dict[str, Any] | str:
     """The keys of the tokenize report over those of the store's manifest, either alone."""
-    report = read(root, ms.TokenizeReport, NAMES.tokenize_report)
-    manifest = read(root, ms.TokenManifest, NAMES.tokenized / STORE_MANIFEST)
+    report = read(root, ms.TokenizeReport, RELATIVE.tokenize_report)
+    manifest = read(root, ms.TokenManifest, RELATIVE.tokenized / STORE_MANIFEST)
     tok = [d.present() for d in (report, manifest) if isinstance(d, ms.Metrics)]
     return {**tok[1], **tok[0]} if len(tok) == 2 else (tok[0] if tok else "")
 
 
 def render_report(root: Path) -> str:
     """The report for the pipeline outputs under ``root`` (the directory ``dvc repro`` ran in)."""
-    ev = read(root, ms.EvalDetails, NAMES.eval_details, NAMES.eval_metrics)
+    ev = read(root, ms.EvalDetails, RELATIVE.eval_details, RELATIVE.eval_metrics)
     flags = [None if isinstance(ev, str) else mismatch_flag(ev), stale_drafter(root)]
     flags = [flag if flag.startswith("!!!") else f"!!! {flag} !!!" for flag in flags if flag]
     lines = ["dflash report", *[line for flag in flags for line in wrap(flag, 0)], ""]
-    lines += section("ingest", "ingest", read(root, ms.IngestReport, NAMES.ingest_report), ingest)
-    regen = read(root, ms.RegenerateReport, NAMES.regenerate_report)
+    lines += section(
+        "ingest", "ingest", read(root, ms.IngestReport, RELATIVE.ingest_report), ingest
+    )
+    regen = read(root, ms.RegenerateReport, RELATIVE.regenerate_report)
     lines += section("regenerate", "regenerate", regen, lambda d: regenerate(d, root))
     lines += section("tokenize", "tokenize", token_store(root), tokenize)
-    target = read(root, ms.TargetDetails, NAMES.target_details, NAMES.target_metrics)
+    target = read(root, ms.TargetDetails, RELATIVE.target_details, RELATIVE.target_metrics)
     lines += ["", *section("target", "target", target, TARGET)]
     lines += ["", *section("batching", "plan", batching(root), plan_lines)]
-    train = read(root, ms.TrainDetails, NAMES.train_details, NAMES.train_metrics)
+    train = read(root, ms.TrainDetails, RELATIVE.train_details, RELATIVE.train_metrics)
     lines += ["", *section("training", "train", train, TRAINING)]
     lines += [] if isinstance(train, str) else drafter_sources(train)
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
@@ -451,6 +450,6 @@ def run(config: Config, workspace: Workspace) -> int:
     """
     root = workspace.root.resolve()
     print(render_report(root), end="")
-    evaluation = read(root, ms.EvalHeadline, NAMES.eval_metrics)
+    evaluation = read(root, ms.EvalHeadline, RELATIVE.eval_metrics)
     mismatches = 0 if isinstance(evaluation, str) else evaluation.lossless_mismatches
     return 1 if mismatches else 0

@@ -127,3 +127,8 @@ class Workspace:
         "τ of each scored prompt, its set, strata and token digest (:mod:`dflash.eval.records`).",
     )
     eval_live = _at("dvclive/evaluate")
+
+
+RELATIVE = Workspace()
+"""The paths as ``params.yaml``, ``dvc.yaml`` and a git revision name them: relative to the
+workspace root that stages run in."""

@@ -36,8 +36,9 @@ SCHEMA = pa.schema(
 
 Row = list[tuple[int, int, int]]
 """The documents of one row: ``(sample_id, offset in the row, length)``."""
-MicroBatch = list[Row]
-Step = list[MicroBatch]
+BatchRows = list[Row]
+"""The rows of one micro-batch, as the plan holds them."""
+Step = list[BatchRows]
 """One optimizer step of one rank: ``grad_accum`` micro-batches."""
 
 PLAN_EPOCH = "epoch_{epoch:03d}.parquet"

@@ -18,10 +18,8 @@ import yaml
 
 from dflash.errors import UserError
 from dflash.eval.records import read_records
-from dflash.workspace import Workspace
+from dflash.workspace import RELATIVE
 
-NAMES = Workspace()
-"""Output paths relative to the project root, as git names them from there."""
 WORKSPACE = "workspace"
 """The name of the uncommitted run in the working tree."""
 
@@ -85,16 +83,16 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 def load_run(root: Path, name: str, rev: str | None) -> Run:
     """A run's params, per-prompt records and training details; the records must exist."""
     run = Run(name, rev)
-    records = read_text(root, rev, NAMES.eval_prompts)
+    records = read_text(root, rev, RELATIVE.eval_prompts)
     if records is None:
         where = "the workspace" if rev is None else f"{run.label}"
         raise UserError(
-            f"{where} has no {NAMES.eval_prompts}: evaluate it first (dvc repro, or dvc exp run)"
+            f"{where} has no {RELATIVE.eval_prompts}: evaluate it first (dvc repro, or dvc exp run)"
         )
     run.records = read_records(records)
     params = read_text(root, rev, Path("params.yaml"))
     run.params = flatten(yaml.safe_load(params) or {}) if params else {}
-    details = read_text(root, rev, NAMES.train_details)
+    details = read_text(root, rev, RELATIVE.train_details)
     run.train = json.loads(details) if details else {}
     return run
 

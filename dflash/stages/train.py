@@ -32,7 +32,7 @@ import yaml
 
 from dflash.closure import declared_inputs
 from dflash.config import Config
-from dflash.declaration import declared_params, whole
+from dflash.declaration import declared_params, unrestricted
 from dflash.fileio import remove_files
 from dflash.lock import EXIT_DIR, HELD_BY_LAUNCHER, launched_by_torchrun, refused, workspace_lock
 from dflash.train.allocator import configure_allocator
@@ -121,7 +121,7 @@ def _torchrun(
     options: argparse.Namespace | None = None,
 ) -> int:
     from dflash.train.launch import torchrun_args, worker_command
-    from dflash.train.topology import Layout, processes
+    from dflash.train.topology import RankLayout, processes
 
     if nodes.many and nodes.rank == 0:
         joins = "\n".join(f"  {worker_command(nodes, options, r)}" for r in range(1, nodes.count))
@@ -133,7 +133,7 @@ def _torchrun(
     remove_files(workspace.train_metrics)  # written last by this job: present = it finished
     with tempfile.TemporaryDirectory(prefix="dflash-train-") as scratch:
         params = Path(scratch) / "params.yaml"
-        params.write_text(yaml.safe_dump(whole(config).model_dump(mode="json")))
+        params.write_text(yaml.safe_dump(unrestricted(config).model_dump(mode="json")))
         cmd = [
             sys.executable,
             "-m",
@@ -162,7 +162,7 @@ def _torchrun(
         return 0
     t = config.train
     if code != 0 and t.topology == "decoupled":
-        roles = Layout(t.world_size, t.target_ranks).roles()
+        roles = RankLayout(t.world_size, t.target_ranks).roles()
         print(f"dflash train: a rank failed (torchrun names it above); {roles}", file=sys.stderr)
     return code
 

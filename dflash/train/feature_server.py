@@ -33,7 +33,7 @@ from dflash.train.init_drafter import tapped_layers
 from dflash.train.parallel import load_sharded_target
 from dflash.train.pilot import epoch_limits
 from dflash.train.step import micro_batch_features
-from dflash.train.topology import Layout, fractions, schedule, start_point, wait
+from dflash.train.topology import RankLayout, fractions, schedule, start_point, wait
 
 ROW = ("input_ids", "document_ids", "position_ids", "loss_mask")
 """The integer tensors of the simulated-τ row, sent in this order before its features."""
@@ -49,7 +49,7 @@ def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
 class BoundedSender:
     """Sends features, at most ``limit`` unfinished per drafter rank; times the blocking."""
 
-    def __init__(self, layout: Layout, limit: int) -> None:
+    def __init__(self, layout: RankLayout, limit: int) -> None:
         self.layout, self.limit = layout, limit
         self.pending = {d: deque() for d in range(layout.drafter_ranks)}
         self.idle_s = 0.0
@@ -71,7 +71,7 @@ class BoundedSender:
                 self._finish_oldest(drafter)
 
 
-def send_row(row: dict[str, torch.Tensor] | None, layout: Layout, device) -> None:
+def send_row(row: dict[str, torch.Tensor] | None, layout: RankLayout, device) -> None:
     """The simulated-τ row to every drafter rank: its length (0: none), then its tensors."""
     length = 0 if row is None else row["input_ids"].shape[1]
     for drafter in range(layout.drafter_ranks):
@@ -82,7 +82,7 @@ def send_row(row: dict[str, torch.Tensor] | None, layout: Layout, device) -> Non
             wait(work, layout, drafter, "to take the simulated-τ row")
 
 
-def receive_row(layout: Layout, width: int, dtype: torch.dtype, device) -> dict | None:
+def receive_row(layout: RankLayout, width: int, dtype: torch.dtype, device) -> dict | None:
     """The row :func:`send_row` sends, on a drafter rank."""
     source = layout.drafter_ranks
     header = torch.zeros(1, dtype=torch.int64, device=device)
@@ -98,7 +98,7 @@ def receive_row(layout: Layout, width: int, dtype: torch.dtype, device) -> dict 
     return row
 
 
-def serve(config: Config, files: TrainFiles, ctx: Dist, layout: Layout) -> None:
+def serve(config: Config, files: TrainFiles, ctx: Dist, layout: RankLayout) -> None:
     """Run a target rank from the drafter ranks' start point to the end of the last epoch.
 
     ``ctx`` is the target ranks' group when they shard the target (:func:`dflash.train.
@@ -147,7 +147,7 @@ def serve(config: Config, files: TrainFiles, ctx: Dist, layout: Layout) -> None:
     fractions(ctx, sender.idle_s, busy, "target")
 
 
-def served_target(path: Path, ctx: Dist, layout: Layout) -> torch.nn.Module:
+def served_target(path: Path, ctx: Dist, layout: RankLayout) -> torch.nn.Module:
     """The target whole on this rank's device, or this rank's FSDP shards of it."""
     if layout.sharded_target:
         return load_sharded_target(path, ctx)

@@ -8,7 +8,7 @@ micro-batches by point-to-point messages (gloo on CPU, NCCL on GPU). Drafter ran
 so a drafter rank's global rank is its plan rank: checkpoints, logs and the rank-0 writer are
 those of a colocated run, which a decoupled run may resume and the other way round.
 
-Which target rank computes a micro-batch is fixed by :meth:`Layout.source`; both sides derive
+Which target rank computes a micro-batch is fixed by :meth:`RankLayout.source`; both sides derive
 the shapes from the plan rows, so only the features travel, with no header. At most
 ``train.feature_prefetch`` micro-batches per drafter rank are in flight. Both ends hold the
 features on their own device and NCCL moves device buffers itself (gloo, CPU tensors), so
@@ -57,7 +57,7 @@ def shards_target(train: TrainConfig) -> bool:
 
 
 @dataclass(frozen=True)
-class Layout:
+class RankLayout:
     drafter_ranks: int
     target_ranks: int
     sharded_target: bool = False
@@ -92,7 +92,7 @@ def micro_batch_shape(rows: list[Row]) -> tuple[int, int]:
 
 
 def schedule(
-    layout: Layout, rank: int, rank_steps: list[list[list[list[Row]]]], first_step: int
+    layout: RankLayout, rank: int, rank_steps: list[list[list[list[Row]]]], first_step: int
 ) -> list[tuple[int, int, list[Row]] | None]:
     """``(drafter rank, index, rows)`` that target ``rank`` computes in an epoch, one per round,
     in the order it sends them: the drafter ranks' consumption order, so a bounded number in
@@ -117,7 +117,7 @@ class Placement:
     """This process's part in the job: ``ctx`` is the Dist it trains or serves with."""
 
     ctx: Dist
-    layout: Layout | None
+    layout: RankLayout | None
     """None when colocated."""
 
     @property
@@ -133,7 +133,7 @@ def place(train: TrainConfig, world: Dist) -> Placement:
     """
     if train.topology != "decoupled":
         return Placement(world, None)
-    layout = Layout(train.world_size, train.target_ranks, shards_target(train))
+    layout = RankLayout(train.world_size, train.target_ranks, shards_target(train))
     if world.world_size != processes(train):
         raise TopologyError(
             f"decoupled training needs train.world_size + train.target_ranks = "
@@ -150,7 +150,7 @@ def place(train: TrainConfig, world: Dist) -> Placement:
     return Placement(Dist(world.rank, n, world.local_rank, world.device, target_group), layout)
 
 
-def wait(work: dist.Work, layout: Layout, peer: int, what: str) -> None:
+def wait(work: dist.Work, layout: RankLayout, peer: int, what: str) -> None:
     """Wait for a point-to-point message; a dead or stuck peer becomes an error naming it."""
     try:
         ok = work.wait(TIMEOUT)
@@ -214,7 +214,7 @@ class DecoupledFeatures:
     """
 
     def __init__(
-        self, ctx: Dist, layout: Layout, width: int, dtype: torch.dtype, prefetch: int
+        self, ctx: Dist, layout: RankLayout, width: int, dtype: torch.dtype, prefetch: int
     ) -> None:
         self.ctx, self.layout, self.width, self.dtype = ctx, layout, width, dtype
         self.world = Dist(ctx.rank, layout.drafter_ranks + layout.target_ranks, 0, ctx.device)
@@ -273,7 +273,7 @@ def feature_source(
 
 
 @contextlib.contextmanager
-def naming_role(layout: Layout | None, rank: int) -> Iterator[None]:
+def naming_role(layout: RankLayout | None, rank: int) -> Iterator[None]:
     """Prefix an error escaping a rank with its rank and role, for torchrun's report."""
     try:
         yield
