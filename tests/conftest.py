@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -217,6 +218,29 @@ def tiny_workspace(tiny_workspace_template, tmp_path) -> Path:
     directory = tmp_path / "ws"
     shutil.copytree(tiny_workspace_template, directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def trained(tiny_workspace_template, tmp_path_factory):
+    """``trained(*sets)``: the tiny workspace trained by ``dflash train`` (two ranks) with
+    ``sets``, run once per session for each ``sets``. A reference that tests read, never write:
+    the same run is what several tests compare against."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*sets: str) -> Path:
+        if sets not in runs:
+            workspace = tmp_path_factory.mktemp("trained") / "ws"
+            shutil.copytree(tiny_workspace_template, workspace)
+            cmd = [sys.executable, "-m", "dflash.cli", "train", *(f"--set={s}" for s in sets)]
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            proc = subprocess.run(
+                cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=600
+            )
+            assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+            runs[sets] = workspace
+        return runs[sets]
+
+    return run
 
 
 def checkpoint_written(workspace: Path, step: int) -> bool:

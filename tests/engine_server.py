@@ -10,6 +10,7 @@ decoder layer ``j``, as vLLM records it. ``faults`` makes its next answers fail 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
 import time
@@ -40,7 +41,8 @@ class StandInEngine:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
 
     def __enter__(self) -> StandInEngine:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        serve = functools.partial(self.server.serve_forever, poll_interval=0.02)  # quick to stop
+        threading.Thread(target=serve, daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -82,15 +82,10 @@ def _losses(workspace: Path) -> str:
     return (workspace / "plots/train/steps.csv").read_text()
 
 
-@pytest.fixture(scope="module")
-def one_node(tiny_workspace_template, tmp_path_factory) -> Path:
+@pytest.fixture
+def one_node(trained) -> Path:
     """The reference: the tiny workspace trained by one node of two ranks."""
-    workspace = tmp_path_factory.mktemp("one-node") / "ws"
-    shutil.copytree(tiny_workspace_template, workspace)
-    job = _train(workspace)
-    out = _output(job)
-    assert job.returncode == 0, out
-    return workspace
+    return trained()
 
 
 def _copies(template: Path, tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -347,7 +347,7 @@ def test_drafter_layer_params_are_checked():
 
 
 @pytest.mark.slow
-def test_kl_dpace_and_sliding_window_train_and_resume_exactly(tiny_workspace, tmp_path):
+def test_kl_dpace_and_sliding_window_train_and_resume_exactly(tiny_workspace, trained):
     """Killed after a checkpoint and resumed, a run with the options ends bitwise where an
     uninterrupted one does."""
     knobs = (
@@ -358,4 +358,4 @@ def test_kl_dpace_and_sliding_window_train_and_resume_exactly(tiny_workspace, tm
         "drafter.sliding_window=8",
         "drafter.causal=true",
     )
-    assert_kill_and_resume_is_bitwise(tiny_workspace, tmp_path, *knobs)
+    assert_kill_and_resume_is_bitwise(tiny_workspace, trained(*knobs), *knobs)

@@ -139,7 +139,7 @@ def completion(content="fine", usage=None, **choice) -> bytes:
 @contextmanager
 def fake_server(answer, **options):
     server = FakeServer(answer, **options)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True)
     thread.start()
     try:
         yield server

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import csv
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import gloo_rank, leave_gloo, spawn_ranks, tiny_qwen3
 from safetensors.torch import load_file
-from test_train import final_weights, torchrun
+from test_train import final_weights
 
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.load import load_target, load_target_shards, shard_start
@@ -83,19 +82,13 @@ def losses(workspace) -> list[float]:
 
 
 @pytest.mark.slow
-def test_fsdp_trains_like_ddp(tiny_workspace, tmp_path):
+def test_fsdp_trains_like_ddp(trained):
     """2 gloo ranks in fp32: the first 10 steps' losses and the exported drafter agree."""
-    runs = {}
-    for parallelism in ("ddp", "fsdp"):
-        workspace = tmp_path / parallelism
-        os.system(f"cp -r {tiny_workspace} {workspace}")
-        proc = torchrun(workspace, "train.epochs=1", f"train.parallelism={parallelism}")
-        out, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, out
-        runs[parallelism] = losses(workspace)[:10], final_weights(workspace)
-    (ddp_loss, ddp_weights), (fsdp_loss, fsdp_weights) = runs["ddp"], runs["fsdp"]
+    ddp, fsdp = trained(), trained("train.parallelism=fsdp")
+    ddp_loss, fsdp_loss = losses(ddp)[:10], losses(fsdp)[:10]
     assert len(ddp_loss) == 10
     assert fsdp_loss == pytest.approx(ddp_loss, abs=1e-5)
+    ddp_weights, fsdp_weights = final_weights(ddp), final_weights(fsdp)
     assert ddp_weights.keys() == fsdp_weights.keys()
     for name, weight in ddp_weights.items():
         torch.testing.assert_close(fsdp_weights[name], weight, atol=1e-5, rtol=0)

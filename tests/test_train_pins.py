@@ -1,4 +1,4 @@
-"""Multi-process training pins: DDP with accumulation (no_sync), and resume with workers."""
+"""Multi-process training pin: DDP with accumulation (no_sync) equals one process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 from conftest import run_stages
-from test_train import assert_kill_and_resume_is_bitwise, torchrun
+from test_train import torchrun
 
 from dflash.batching.io import read_rank_plan
 
@@ -48,9 +48,3 @@ def test_ddp_with_accumulation_matches_one_process(tiny_workspace):
     single = losses(tiny_workspace)
     assert len(ddp) == len(single) == n_steps >= 2
     assert single == pytest.approx(ddp, rel=1e-4)
-
-
-@pytest.mark.slow
-def test_sigkill_then_resume_with_data_workers_gives_identical_weights(tiny_workspace, tmp_path):
-    knobs = ("train.checkpoint_every=1", "train.num_workers=1", "train.prefetch=2")
-    assert_kill_and_resume_is_bitwise(tiny_workspace, tmp_path, *knobs)

@@ -30,7 +30,7 @@ from dflash.train.borrowed import load_borrowed
 from dflash.train.feature_server import padding_forward
 from dflash.train.parallel import load_sharded_target
 from dflash.train.topology import (
-    Layout,
+    RankLayout,
     epoch_micro_batches,
     micro_batch_shape,
     place,
@@ -51,7 +51,7 @@ SHARDED = (*DECOUPLED, "train.parallelism=fsdp")
 def test_the_job_has_the_drafter_ranks_of_the_plan_plus_the_target_ranks():
     assert processes(TrainConfig(world_size=2)) == 2
     assert processes(TrainConfig(world_size=2, topology="decoupled", target_ranks=3)) == 5
-    layout = Layout(drafter_ranks=2, target_ranks=3)
+    layout = RankLayout(drafter_ranks=2, target_ranks=3)
     assert [layout.role(r) for r in range(5)] == ["drafter"] * 2 + ["target"] * 3
     assert layout.roles() == "ranks 0-1 train the drafter, ranks 2-4 run the target"
 
@@ -66,7 +66,7 @@ def fake_steps(n_steps: int, per_step: int, seed: int) -> list:
 def test_every_micro_batch_is_computed_once_in_the_order_its_drafter_rank_takes_it(
     drafters, targets, first_step
 ):
-    layout = Layout(drafters, targets)
+    layout = RankLayout(drafters, targets)
     rank_steps = [fake_steps(5, 2, seed) for seed in range(drafters)]
     served = {
         t: schedule(layout, t, rank_steps, first_step) for t in range(drafters, drafters + targets)
@@ -92,12 +92,12 @@ def test_every_micro_batch_is_computed_once_in_the_order_its_drafter_rank_takes_
 )
 def test_sharded_target_ranks_run_one_forward_each_per_round(drafters, targets, first_step):
     """Rounds of consecutive micro-batches in consumption order, padded at the ends only."""
-    layout = Layout(drafters, targets, sharded_target=True)
+    layout = RankLayout(drafters, targets, sharded_target=True)
     rank_steps = [fake_steps(5, 3, seed) for seed in range(drafters)]
     ranks = range(drafters, drafters + targets)
     rounds = {t: schedule(layout, t, rank_steps, first_step) for t in ranks}
     assert len({len(work) for work in rounds.values()}) == 1, "not in lockstep"
-    whole = Layout(drafters, targets)
+    whole = RankLayout(drafters, targets)
     for t in ranks:
         assert [w for w in rounds[t] if w is not None] == schedule(whole, t, rank_steps, first_step)
     served = [
@@ -193,24 +193,6 @@ def planned(planned_once, tmp_path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [DECOUPLED, SHARDED], ids=["whole", "sharded"])
-def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter(planned, overrides):
-    colocated, decoupled = planned
-    finished(decoupled, *overrides)
-    assert losses(decoupled) == pytest.approx(losses(colocated), abs=1e-6, rel=0)
-    a, b = final_weights(colocated), final_weights(decoupled)
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)
-    details = json.loads((decoupled / WS.train_details).read_text())
-    reference = json.loads((colocated / WS.train_details).read_text())
-    assert details["final_simulated_tau"] == pytest.approx(reference["final_simulated_tau"])
-    assert details["world_size"] == 1
-    for key in ("target_idle_fraction", "drafter_wait_fraction"):
-        assert 0.0 <= details[key] <= 1.0 and reference[key] == 0.0
-
-
-@pytest.mark.slow
 def test_a_decoupled_pilot_stops_its_target_ranks_with_its_drafter_ranks(planned):
     """Target ranks serve only the pilot's micro-batches: a send too many would never end."""
     colocated, decoupled = planned
@@ -280,8 +262,11 @@ def test_sharded_target_ranks_hold_half_the_target_and_pad_each_others_rounds(tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [DECOUPLED, SHARDED], ids=["whole", "sharded"])
-def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned, overrides):
-    """Sharded, a resume at an odd step starts with a padded round (two target ranks)."""
+def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter_through_a_kill(
+    planned, overrides
+):
+    """Killed after checkpoint 3 and resumed, the decoupled run logs the colocated losses and
+    exports its drafter; sharded, the resume at an odd step starts with a padded round."""
     colocated, decoupled = planned
     proc = dflash_train(decoupled, *overrides)
     deadline = time.time() + 300
@@ -290,11 +275,18 @@ def test_a_killed_decoupled_run_resumes_to_the_colocated_drafter(planned, overri
     kill_tree(proc.pid)
     proc.communicate()
     assert checkpoint_written(decoupled, 3) and not (decoupled / WS.drafter).exists()
-    out = finished(decoupled, *overrides)
-    assert "resumed at" in out
+    assert "resumed at" in finished(decoupled, *overrides)
+    assert losses(decoupled) == pytest.approx(losses(colocated), abs=1e-6, rel=0)
     a, b = final_weights(colocated), final_weights(decoupled)
+    assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)
+    details = json.loads((decoupled / WS.train_details).read_text())
+    reference = json.loads((colocated / WS.train_details).read_text())
+    assert details["final_simulated_tau"] == pytest.approx(reference["final_simulated_tau"])
+    assert details["world_size"] == 1
+    for key in ("target_idle_fraction", "drafter_wait_fraction"):
+        assert 0.0 <= details[key] <= 1.0 and reference[key] == 0.0
 
 
 @pytest.mark.slow

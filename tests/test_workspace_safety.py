@@ -149,6 +149,12 @@ def test_tokenize_workers_leave_ctrl_c_to_the_parent():
     assert handler == signal.SIG_IGN
 
 
+def _as_from_a_terminal() -> None:
+    """A shell ignores SIGINT in the jobs it starts in the background, and the ignoring is
+    inherited: a suite started with ``&`` would give the launcher no Ctrl-C to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_on_train_stops_every_rank_and_exits_130(tiny_workspace):
     """Ctrl-C goes to the launcher's process group: every process of the job ends, the
@@ -158,7 +164,13 @@ def test_ctrl_c_on_train_stops_every_rank_and_exits_130(tiny_workspace):
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--set=train.checkpoint_every=1"]
     cmd += ["--set=train.num_workers=1", *(f"--set={o}" for o in long)]
     launcher = subprocess.Popen(
-        cmd, cwd=tiny_workspace, env=ENV, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        cwd=tiny_workspace,
+        env=ENV,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_as_from_a_terminal,
     )
     deadline = time.time() + 300
     while time.time() < deadline and not checkpoint_written(tiny_workspace, 1):
