@@ -23,7 +23,7 @@ repro: setup
 	$(BIN)/dflash report
 
 test: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=15
 
 test-fast: setup
 	$(BIN)/pytest -q -m "not slow"
