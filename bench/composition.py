@@ -25,7 +25,6 @@ from pathlib import Path
 import numpy as np
 from train_throughput import (
     PARAMS,
-    WS,
     dflash_cli,
     longtail_lengths,
     word_tokenizer,
@@ -36,6 +35,7 @@ from dflash.data.store import TokenStoreWriter
 from dflash.data.tokenizer import tokenizer_hash
 from dflash.model.pretrain import build_tiny_target
 from dflash.params import load_config
+from dflash.workspace import RELATIVE
 
 SMALLEST_VOCAB, LARGEST_VOCAB = 2, 256
 """Distinct tokens of the shortest and of the longest samples: small enough that a drafter
@@ -70,13 +70,15 @@ def build(work: Path, args: argparse.Namespace) -> list[str]:
     ]
     config = load_config(PARAMS, sets)
     tokenizer = word_tokenizer(config.tokenizer.vocab_size)
-    tokenizer.save_pretrained(str(work / WS.tokenizer))
-    build_tiny_target(config.target, tokenizer, args.max_len).save_pretrained(str(work / WS.target))
+    tokenizer.save_pretrained(str(work / RELATIVE.tokenizer))
+    build_tiny_target(config.target, tokenizer, args.max_len).save_pretrained(
+        str(work / RELATIVE.target)
+    )
     lengths = longtail_lengths(args.samples, 4 * config.drafter.block_size, args.max_len)
     first = len(tokenizer.all_special_ids)
     tokens = mixed_tokens(lengths, first)
     mask = np.concatenate([np.arange(n) >= n // 2 for n in lengths]).astype(np.uint8)
-    writer = TokenStoreWriter(work / WS.tokenized)
+    writer = TokenStoreWriter(work / RELATIVE.tokenized)
     writer.extend(
         tokens, mask, lengths, lengths - lengths // 2, [f"s{i}" for i in range(len(lengths))]
     )
@@ -86,7 +88,7 @@ def build(work: Path, args: argparse.Namespace) -> list[str]:
         "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
         "max_seq_len": args.max_len,
     })  # fmt: skip
-    write_heldout(work / WS.heldout, config.tokenizer.vocab_size)
+    write_heldout(work / RELATIVE.heldout, config.tokenizer.vocab_size)
     print(
         f"{len(lengths)} samples, mean {lengths.mean():.0f}, median {np.median(lengths):.0f}, "
         f"max {lengths.max()} tokens; vocabulary {SMALLEST_VOCAB} to {LARGEST_VOCAB} ids",
@@ -100,15 +102,23 @@ def train(strategy: str, sets: list[str], source: Path) -> dict:
     """Plan and train one strategy in a scratch directory linking ``source``'s inputs."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for rel in (WS.tokenized, WS.stats, WS.target, WS.tokenizer, WS.heldout):
+        for rel in (
+            RELATIVE.tokenized,
+            RELATIVE.stats,
+            RELATIVE.target,
+            RELATIVE.tokenizer,
+            RELATIVE.heldout,
+        ):
             (work / rel).parent.mkdir(parents=True, exist_ok=True)
             (work / rel).symlink_to(source / rel)
         run_sets = [*sets, f"batching.strategy={strategy}"]
         dflash_cli("plan", run_sets, work)
         dflash_cli("train", run_sets, work)
-        lengths = [float(r["mean_length"]) for r in csv.DictReader(open(work / WS.train_steps))]
+        lengths = [
+            float(r["mean_length"]) for r in csv.DictReader(open(work / RELATIVE.train_steps))
+        ]
         spread = {"length_cv": float(np.std(lengths) / np.mean(lengths))}
-        return json.loads((work / WS.train_details).read_text()) | spread
+        return json.loads((work / RELATIVE.train_details).read_text()) | spread
 
 
 def main() -> None:

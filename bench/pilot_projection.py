@@ -18,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from train_throughput import LINKED, ROOT, WS, build_longtail, dflash_cli, shared_sets
+from train_throughput import LINKED, ROOT, build_longtail, dflash_cli, shared_sets
+
+from dflash.workspace import RELATIVE
 
 
 def train(sets: list[str], source: Path) -> dict:
@@ -30,7 +32,7 @@ def train(sets: list[str], source: Path) -> dict:
             (work / rel).symlink_to(source / rel)
         dflash_cli("plan", sets, work)
         dflash_cli("train", sets, work)
-        return json.loads((work / WS.train_details).read_text())
+        return json.loads((work / RELATIVE.train_details).read_text())
 
 
 def main() -> None:

@@ -29,13 +29,10 @@ from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.local_server import LocalServer
 from dflash.params import load_config
 from dflash.threads import set_cpu_threads
-from dflash.workspace import Workspace
-
-WS = Workspace()
-"""The workspace's paths relative to its root, as the stages run in it."""
+from dflash.workspace import RELATIVE
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
-INPUTS = (WS.target, WS.tokenizer, WS.conversations)
+INPUTS = (RELATIVE.target, RELATIVE.tokenizer, RELATIVE.conversations)
 
 
 def stage(directory: Path, name: str, overrides: list[str]) -> dict:
@@ -46,7 +43,7 @@ def stage(directory: Path, name: str, overrides: list[str]) -> dict:
         run_stage(name, load_config(PARAMS, overrides))
     finally:
         os.chdir(cwd)
-    report = directory / WS.regenerate_report
+    report = directory / RELATIVE.regenerate_report
     return json.loads(report.read_text()) if report.exists() else {}
 
 
@@ -54,11 +51,11 @@ def inputs(workspace: Path, scratch: Path, conversations: int) -> Path:
     """A folder holding the target, the tokenizer and ``conversations`` training rows."""
     out = scratch / "inputs"
     if all((workspace / p).exists() for p in INPUTS):
-        for p in (WS.target, WS.tokenizer):
+        for p in (RELATIVE.target, RELATIVE.tokenizer):
             shutil.copytree(workspace / p, out / p)
-        rows = read_conversations(workspace / WS.conversations)
-        (out / WS.conversations).parent.mkdir(parents=True, exist_ok=True)
-        write_conversations(rows[:conversations], out / WS.conversations)
+        rows = read_conversations(workspace / RELATIVE.conversations)
+        (out / RELATIVE.conversations).parent.mkdir(parents=True, exist_ok=True)
+        write_conversations(rows[:conversations], out / RELATIVE.conversations)
         return out
     print(f"{workspace}: no trained target; building the default target, one epoch")
     out.mkdir()
@@ -89,7 +86,7 @@ def main() -> None:
         source = inputs(args.workspace.resolve(), scratch, args.conversations)
         rows.append(("in process", "-", measure(source, scratch, "in_process", [])))
         extra = ["--continuous-batching"] if args.continuous_batching else []
-        server = LocalServer(source / WS.target, scratch / "serve.log", threads, extra)
+        server = LocalServer(source / RELATIVE.target, scratch / "serve.log", threads, extra)
         try:
             server.wait()
             for n in args.concurrency:

@@ -43,10 +43,7 @@ from dflash.model.load import load_target
 from dflash.params import load_config
 from dflash.train.batches import MicroBatch, build_micro_batch
 from dflash.train.step import drafter_loss
-from dflash.workspace import Workspace
-
-WS = Workspace()
-"""The workspace's paths relative to its root, as the stages run in it."""
+from dflash.workspace import RELATIVE
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("features", "drafter", "backward")
@@ -59,7 +56,7 @@ def micro_batches(
     """The micro-batches the ``strategy`` lays these samples out in at epoch 0, as plan rows
     ``(sample_id, offset, length)`` with the store's sample ids."""
     config = load_config(ROOT / "params.yaml", [*sets, f"batching.strategy={strategy}"])
-    params = params_from_config(config, sizes, WS.stats / BUCKETS)
+    params = params_from_config(config, sizes, RELATIVE.stats / BUCKETS)
     rng = np.random.default_rng([params.seed, 0])
     layout = strategy_named(strategy).layout(sizes, params, rng)
     out: list[list[Row]] = []
@@ -134,9 +131,9 @@ def compare(args: argparse.Namespace, sets: list[str], subset: int | None) -> No
     ``subset`` random samples (None: all)."""
     torch.set_num_threads(args.threads)
     config = load_config(ROOT / "params.yaml", sets)
-    store = TokenStore(WS.tokenized)
-    tokenizer = load_tokenizer(WS.tokenizer)
-    target = load_target(WS.target, device="cpu")  # frozen, as training has it
+    store = TokenStore(RELATIVE.tokenized)
+    tokenizer = load_tokenizer(RELATIVE.tokenizer)
+    target = load_target(RELATIVE.target, device="cpu")  # frozen, as training has it
     d = config.drafter
     drafter = DFlashDrafter.from_target(
         target,

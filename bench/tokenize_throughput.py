@@ -22,10 +22,7 @@ from dflash.data.conversations import batch_rows, iter_batches
 from dflash.data.store import TokenStoreWriter
 from dflash.data.tokenize import Policy, tokenize_chunks, worker_count
 from dflash.data.tokenizer import corpus_texts, load_tokenizer, train_tokenizer
-from dflash.workspace import Workspace
-
-WS = Workspace()
-"""The workspace's paths relative to its root, as the stages run in it."""
+from dflash.workspace import RELATIVE
 
 
 def main() -> None:
@@ -41,17 +38,17 @@ def main() -> None:
         records = enumerate((record for record, _ in load_chitchat()), start=1)
         report = ingest.ingest(
             records,
-            Path(tmp) / WS.conversations.name,
-            Path(tmp) / WS.heldout.name,
+            Path(tmp) / RELATIVE.conversations.name,
+            Path(tmp) / RELATIVE.heldout.name,
             eval_fraction=0.0,
             max_conversations=None,
         )
-        conversations = Path(tmp) / WS.conversations.name
+        conversations = Path(tmp) / RELATIVE.conversations.name
         n_train = report["kept"]["train"]
         print(f"chitchat: {report['records_read']} chats, {n_train} usable conversations")
-        if (WS.tokenizer / "tokenizer.json").exists():
-            tokenizer = load_tokenizer(WS.tokenizer)
-            print(f"tokenizer: {WS.tokenizer} ({len(tokenizer)} tokens)")
+        if (RELATIVE.tokenizer / "tokenizer.json").exists():
+            tokenizer = load_tokenizer(RELATIVE.tokenizer)
+            print(f"tokenizer: {RELATIVE.tokenizer} ({len(tokenizer)} tokens)")
         else:
             start = time.perf_counter()
             tokenizer = train_tokenizer(corpus_texts(conversations), args.vocab_size)

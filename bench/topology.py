@@ -30,10 +30,7 @@ from dflash.model.load import load_target
 from dflash.params import load_config
 from dflash.train.batches import build_micro_batch
 from dflash.train.step import drafter_loss
-from dflash.workspace import Workspace
-
-WS = Workspace()
-"""The workspace's paths relative to its root, as the stages run in it."""
+from dflash.workspace import RELATIVE
 
 
 def best_split(gpus: int, t_target: float, t_drafter: float) -> tuple[int, float]:
@@ -49,7 +46,7 @@ def measure(workspace: Path, micro_batches: int) -> tuple[float, float, int]:
     os.chdir(workspace)
     config = load_config("params.yaml")
     d = config.drafter
-    target = load_target(WS.target, device="cpu")
+    target = load_target(RELATIVE.target, device="cpu")
     drafter = DFlashDrafter.from_target(
         target,
         block_size=d.block_size,
@@ -59,8 +56,8 @@ def measure(workspace: Path, micro_batches: int) -> tuple[float, float, int]:
     )
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
     layers = drafter.config.target_layer_ids
-    store = TokenStore(WS.tokenized)
-    steps = read_rank_plan(epoch_path(WS.plans, 0), 0)
+    store = TokenStore(RELATIVE.tokenized)
+    steps = read_rank_plan(epoch_path(RELATIVE.plans, 0), 0)
     rows = [mb for step in steps for mb in step][:micro_batches]
     kwargs = dict(
         block_size=d.block_size,

@@ -43,10 +43,7 @@ from dflash.data.tokenizer import (
 )
 from dflash.model.pretrain import build_tiny_target
 from dflash.params import load_config
-from dflash.workspace import Workspace
-
-WS = Workspace()
-"""The workspace's paths relative to its root, as the stages run in it."""
+from dflash.workspace import RELATIVE
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"
@@ -136,13 +133,13 @@ def build_longtail(work: Path, args: argparse.Namespace) -> Path:
     """Write into ``work`` what a training run reads (the ``LINKED`` paths), then ``stats``."""
     config = load_config(PARAMS, shared_sets(args))
     tokenizer = word_tokenizer(config.tokenizer.vocab_size)
-    tokenizer.save_pretrained(str(work / WS.tokenizer))
+    tokenizer.save_pretrained(str(work / RELATIVE.tokenizer))
     target = build_tiny_target(config.target, tokenizer, args.max_len)
-    target.save_pretrained(str(work / WS.target))
+    target.save_pretrained(str(work / RELATIVE.target))
     # The shortest sample's second half holds the 2 x block_size loss tokens tokenize requires.
     lengths = longtail_lengths(args.samples, 4 * config.drafter.block_size, args.max_len)
-    write_store(work / WS.tokenized, lengths, tokenizer, args.max_len)
-    write_heldout(work / WS.heldout, config.tokenizer.vocab_size)
+    write_store(work / RELATIVE.tokenized, lengths, tokenizer, args.max_len)
+    write_heldout(work / RELATIVE.heldout, config.tokenizer.vocab_size)
     print(
         f"longtail: {len(lengths)} samples, {lengths.sum():,} tokens, mean {lengths.mean():.0f}, "
         f"median {np.median(lengths):.0f}, max {lengths.max()}, "
@@ -187,8 +184,8 @@ def run_strategy(strategy: str, args: argparse.Namespace, source: Path) -> dict:
         dflash_cli("plan", sets, work)
         threads = str(max(1, os.cpu_count() // args.world_size))
         dflash_cli("train", sets, work, env={**os.environ, "OMP_NUM_THREADS": threads})
-        metrics = json.loads((work / WS.train_details).read_text())
-        plan = json.loads((work / WS.plan_metrics).read_text())
+        metrics = json.loads((work / RELATIVE.train_details).read_text())
+        plan = json.loads((work / RELATIVE.plan_metrics).read_text())
         return {**metrics, "plan_efficiency": plan["padding_efficiency"]}
 
 
