@@ -215,16 +215,18 @@ def assert_kill_and_resume_is_bitwise(workspace: Path, reference: Path, *knobs: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "knobs",
-    [("train.num_workers=1", "train.prefetch=2"), ("train.parallelism=fsdp",)],
+    ("parallelism", "loader"),
+    [((), ("train.num_workers=1", "train.prefetch=2")), (("train.parallelism=fsdp",), ())],
     ids=["ddp-data-workers", "fsdp-in-process-loader"],
 )
-def test_sigkill_mid_epoch_then_resume_gives_identical_weights(tiny_workspace, trained, knobs):
+def test_sigkill_mid_epoch_then_resume_gives_identical_weights(
+    tiny_workspace, trained, parallelism, loader
+):
     """DDP with a loader worker process, FSDP with the loader in the rank: both resume the
     data exactly. Checkpoints and loader placement leave the weights as they are, so the
-    uninterrupted run without them is the reference."""
-    reference = trained(*(k for k in knobs if k.startswith("train.parallelism")))
-    assert_kill_and_resume_is_bitwise(tiny_workspace, reference, "train.checkpoint_every=1", *knobs)
+    uninterrupted run of the same parallelism without them is the reference."""
+    knobs = ("train.checkpoint_every=1", *parallelism, *loader)
+    assert_kill_and_resume_is_bitwise(tiny_workspace, trained(*parallelism), *knobs)
 
 
 @pytest.mark.slow
