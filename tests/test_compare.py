@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from dflash.cli import main
+from dflash.compare.paired import Row
+from dflash.compare.screen import line
 from dflash.eval.records import records_csv
 
 PROMPTS = 40
@@ -120,3 +122,13 @@ def test_an_unknown_run_or_one_without_records_exits_2_naming_it(repo, capsys):
     (repo / "metrics/eval_prompts.csv").unlink()
     assert main(["compare"]) == 2
     assert "the workspace has no metrics/eval_prompts.csv" in capsys.readouterr().err
+
+
+def test_a_pilots_projection_is_shown_in_minutes_with_its_whole_interval():
+    hours = Row("projected h", None, None, 2, 0.0013, None, 0.00139, None, 9.21e-05,
+                [-0.000315, 0.000499])  # fmt: skip
+    shown = line(hours)
+    assert shown.split() == ["projected", "s", "2", "4.68", "5.00", "+0.33", "(+7%)",
+                             "[-1.13,", "+1.80]"]  # fmt: skip
+    minutes = line(Row("projected h", None, None, 1, 0.05, None, 0.04, None, -0.01, None))
+    assert minutes.split()[:5] == ["projected", "min", "1", "3.00", "2.40"]

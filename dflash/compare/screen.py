@@ -10,9 +10,12 @@ from dflash.compare.revisions import Run
 
 WIDTH = 100
 LABEL = 26
+DURATIONS = (("projected h", 1.0), ("projected min", 60.0), ("projected s", 3600.0))
+"""(label, per hour): a projection is shown in the largest unit in which the first run's is 1 or
+more, so a pilot's minutes keep their digits without scientific notation."""
 FORMATS = {"tau": ".2f", "tokens/s": ",.0f", "padding eff.": ".3f", "final loss": ".3f",
-           "projected h": ".3g", "loss~length": ".2f"}  # fmt: skip
-RELATIVE = ("tokens/s", "projected h")
+           "loss~length": ".2f"} | {label: ".2f" for label, _ in DURATIONS}  # fmt: skip
+RELATIVE = ("tokens/s", *(label for label, _ in DURATIONS))
 """Figures whose difference is also shown as a share of the first group's."""
 HEADER = f"  {'figure':<{LABEL}}{'n':>4}  {'first':<18}{'this':<18}{'Δ':>12}  95% interval"
 
@@ -33,7 +36,26 @@ def with_interval(value: float | None, ci: list[float] | None, spec: str) -> str
     return shown if ci is None else f"{shown} [{number(ci[0], spec)}, {number(ci[1], spec)}]"
 
 
+def readable(row: Row) -> Row:
+    """``row`` with a projection in hours rescaled to the unit of :data:`DURATIONS`."""
+    if row.figure != DURATIONS[0][0] or not row.first:
+        return row
+    label, per_hour = next((d for d in DURATIONS if row.first * d[1] >= 1), DURATIONS[-1])
+
+    def scaled(value):
+        if value is None:
+            return None
+        return [v * per_hour for v in value] if isinstance(value, list) else value * per_hour
+
+    return dataclasses.replace(
+        row, figure=label, first=scaled(row.first), first_ci=scaled(row.first_ci),
+        this=scaled(row.this), this_ci=scaled(row.this_ci), delta=scaled(row.delta),
+        ci=scaled(row.ci),
+    )  # fmt: skip
+
+
 def line(row: Row) -> str:
+    row = readable(row)
     spec = FORMATS.get(row.figure, ".3g")
     label = f"τ {row.set} {row.stratum}" if row.figure == "tau" else row.figure
     delta = number(row.delta, spec, signed=True)
