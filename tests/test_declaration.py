@@ -176,7 +176,7 @@ FILE_NAME_HOMES = {
     "dflash/data/store.py",
     "dflash/data/tokenizer.py",
     "dflash/model/hf_files.py",
-    "dflash/model/load.py",
+    "dflash/model/target_dir.py",  # the reference to a target that is not copied
     "dflash/metrics_schema.py",  # the JSON Schema files it writes
     "dflash/train/checkpoint.py",
     "dflash/train/best.py",  # the best validation's weights beside the checkpoints

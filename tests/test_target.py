@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 from transformers import Qwen3ForCausalLM
 
 from dflash.data.tokenizer import load_tokenizer
-from dflash.model.load import TARGET_REFERENCE, load_target, resolve_target_path
+from dflash.model.load import load_target
 from dflash.model.pretrain import IGNORE, encode_windows, pack
+from dflash.model.target_dir import TARGET_REFERENCE, resolve_target_path
 from dflash.workspace import Workspace
 
 WS = Workspace()

@@ -29,14 +29,8 @@ from dflash.train.batches import build_micro_batch
 from dflash.train.borrowed import load_borrowed
 from dflash.train.feature_server import padding_forward
 from dflash.train.parallel import load_sharded_target
-from dflash.train.topology import (
-    RankLayout,
-    epoch_micro_batches,
-    micro_batch_shape,
-    place,
-    processes,
-    schedule,
-)
+from dflash.train.ranks import RankLayout, processes
+from dflash.train.topology import epoch_micro_batches, micro_batch_shape, place, schedule
 from dflash.workspace import Workspace
 
 WS = Workspace()

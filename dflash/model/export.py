@@ -25,8 +25,8 @@ from dflash.fileio import atomic_dir
 from dflash.model import remote
 from dflash.model.card import model_card
 from dflash.model.hf_files import MODEL_CARD, REMOTE_CODE
-from dflash.model.load import resolve_target_path
 from dflash.model.remote import DFlashDraftConfig
+from dflash.model.target_dir import resolve_target_path
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ rows of each weight, so no rank holds the whole target in host memory.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Callable
@@ -22,10 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from dflash.fingerprint import digest, path_digest
-from dflash.model.hf_files import WEIGHTS, WEIGHTS_INDEX
-
-TARGET_REFERENCE = "dflash_target.json"
-"""In a target directory: the reference to a model that is not copied (``target.path``)."""
+from dflash.model.target_dir import resolve_target_path, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +31,6 @@ def target_device_dtype() -> tuple[torch.device, torch.dtype]:
     if torch.cuda.is_available():
         return torch.device("cuda"), torch.bfloat16
     return torch.device("cpu"), torch.float32
-
-
-def resolve_target_path(path_or_dir: str | Path) -> str:
-    """The model directory (or hub id) behind ``path_or_dir``, following a reference file."""
-    reference = Path(path_or_dir) / TARGET_REFERENCE
-    if reference.is_file():
-        return json.loads(reference.read_text())["path"]
-    return str(path_or_dir)
 
 
 def load_target(
@@ -67,25 +55,6 @@ def model_directory(path: str) -> Path:
     if Path(path).is_dir():
         return Path(path)
     return Path(snapshot_download(path, local_files_only=True))
-
-
-def weight_files(directory: Path) -> dict[str, Path] | None:
-    """Which safetensors file holds each tensor, or None for weights in another format."""
-    index = directory / WEIGHTS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in weight_map.items()}
-    single = directory / WEIGHTS
-    if not single.is_file():
-        return None
-    with safe_open(single, framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), single)
-
-
-def weights_bytes(directory: Path) -> int:
-    """A model's safetensors weights on disk, in bytes (0 for weights in another format)."""
-    files = weight_files(directory) if directory.is_dir() else None
-    return sum(path.stat().st_size for path in set((files or {}).values()))
 
 
 def shard_start(size: int, world: int, rank: int) -> int:

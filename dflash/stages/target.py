@@ -23,7 +23,7 @@ from dflash.fingerprint import digest
 from dflash.headline import write_metrics
 from dflash.metrics_schema import TargetDetails, TargetHeadline
 from dflash.model.layer_ids import check_layer_selection, target_depth
-from dflash.model.load import TARGET_REFERENCE, load_target
+from dflash.model.load import load_target
 from dflash.model.pretrain import (
     build_tiny_target,
     encode_windows,
@@ -31,6 +31,7 @@ from dflash.model.pretrain import (
     pack,
     pretrain,
 )
+from dflash.model.target_dir import TARGET_REFERENCE
 from dflash.threads import set_cpu_threads
 from dflash.workspace import Workspace
 

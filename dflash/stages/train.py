@@ -100,7 +100,7 @@ def _launch(config: Config, workspace: Workspace, options: argparse.Namespace | 
     with workspace_lock(workspace.lock, "train") as lock:
         from dflash.train.launch import nodes_of
         from dflash.train.preflight import preflight
-        from dflash.train.topology import processes
+        from dflash.train.ranks import processes
 
         nodes = nodes_of(options, processes(config.train), config.train)
         files = train_files(workspace, config)
@@ -121,7 +121,7 @@ def _torchrun(
     options: argparse.Namespace | None = None,
 ) -> int:
     from dflash.train.launch import torchrun_args, worker_command
-    from dflash.train.topology import RankLayout, processes
+    from dflash.train.ranks import RankLayout, processes
 
     if nodes.many and nodes.rank == 0:
         joins = "\n".join(f"  {worker_command(nodes, options, r)}" for r in range(1, nodes.count))

@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from dflash.model.hf_files import WEIGHTS as SINGLE
 from dflash.model.hf_files import WEIGHTS_INDEX as INDEX
-from dflash.model.load import load_target, resolve_target_path
+from dflash.model.load import load_target
+from dflash.model.target_dir import resolve_target_path
 
 
 def weight_files(directory: Path) -> dict[str, Path]:

@@ -223,7 +223,7 @@ def target_geometry(d, target_dir: Path, init: Path | None) -> tuple[list[int], 
     """The layers the drafter reads and the target's hidden size, from its config alone."""
     from transformers import AutoConfig
 
-    from dflash.model.load import resolve_target_path
+    from dflash.model.target_dir import resolve_target_path
     from dflash.train.init_drafter import tapped_layers
 
     path = resolve_target_path(target_dir)

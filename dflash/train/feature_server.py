@@ -32,8 +32,9 @@ from dflash.train.files import TrainFiles
 from dflash.train.init_drafter import tapped_layers
 from dflash.train.parallel import load_sharded_target
 from dflash.train.pilot import epoch_limits
+from dflash.train.ranks import RankLayout
 from dflash.train.step import micro_batch_features
-from dflash.train.topology import RankLayout, fractions, schedule, start_point, wait
+from dflash.train.topology import fractions, schedule, start_point, wait
 
 ROW = ("input_ids", "document_ids", "position_ids", "loss_mask")
 """The integer tensors of the simulated-τ row, sent in this order before its features."""

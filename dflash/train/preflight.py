@@ -3,6 +3,9 @@
 A stale plan, a world size the plans were not made for, more ranks than GPUs, or a starting
 checkpoint made for another target would otherwise be found by every rank at once: the same
 message printed N times, then torchrun's traceback.
+
+The checks read files only, so the model code is imported where a check needs it: the
+launcher starts torchrun a second sooner than with transformers' modelling imported.
 """
 
 from __future__ import annotations
@@ -16,14 +19,12 @@ import torch
 from dflash.batching.io import read_plan_meta
 from dflash.config import Config
 from dflash.data.store import TokenStore
-from dflash.data.tokenizer import load_tokenizer
 from dflash.errors import ConfigError
 from dflash.model.layer_ids import check_layer_selection
-from dflash.model.load import resolve_target_path, weights_bytes
+from dflash.model.target_dir import resolve_target_path, weights_bytes
 from dflash.train.files import TrainFiles
-from dflash.train.init_drafter import checked_checkpoint, target_shape
 from dflash.train.plan_check import check_plan
-from dflash.train.topology import processes
+from dflash.train.ranks import processes
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ def check_drafter(config: Config, files: TrainFiles) -> None:
     if files.init is None:
         check_layer_selection(depth, d.num_target_features)
         return
+    from dflash.data.tokenizer import load_tokenizer
+    from dflash.train.init_drafter import checked_checkpoint, target_shape
+
     shape = target_shape(target_config, load_tokenizer(files.tokenizer))
     checked_checkpoint(d, files.init, shape)
 
