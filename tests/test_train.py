@@ -246,16 +246,7 @@ def test_data_worker_error_stops_the_run_quickly(tiny_workspace):
 
 
 @pytest.mark.slow
-def test_dflash_train_launches_torchrun_itself(tiny_workspace):
-    run_stages(tiny_workspace, ["plan"], ["train.epochs=1"])
-    proc = subprocess.run(
-        [sys.executable, "-m", "dflash.cli", "train", "--set", "train.epochs=1"],
-        cwd=tiny_workspace,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
-    assert metrics["world_size"] == 2
+def test_dflash_train_launches_torchrun_itself(trained):
+    """``trained`` runs ``dflash train`` as a user would: one process, which starts the ranks."""
+    metrics = json.loads((trained() / "metrics/train_details.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == metrics["planned_steps"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from conftest import checkpoint_written, gloo_rank, leave_gloo, run_stages, spawn_ranks, tiny_qwen3
-from test_train import final_weights, kill_tree
+from test_train import final_weights
 
 from dflash.batching.io import read_rank_plan
 from dflash.config import TrainConfig
@@ -197,23 +197,20 @@ def test_a_decoupled_pilot_stops_its_target_ranks_with_its_drafter_ranks(planned
 
 @pytest.mark.slow
 def test_fsdp_drafter_ranks_fed_by_a_target_rank_train_the_colocated_fsdp_drafter(
-    tiny_workspace, tmp_path
+    tiny_workspace, trained
 ):
-    """The plan for 2 ranks: colocated FSDP over 2 ranks, then 1 target rank feeding 2 FSDP
-    drafter ranks (the drafter sharded over the drafter ranks' own group)."""
-    run_stages(tiny_workspace, ["plan"], ["train.epochs=1"])
-    decoupled = tmp_path / "decoupled"
-    os.system(f"cp -r {tiny_workspace} {decoupled}")
-    fsdp = ("train.parallelism=fsdp", "train.epochs=1")
-    finished(tiny_workspace, *fsdp)
-    finished(decoupled, *fsdp, "train.topology=decoupled", "train.target_ranks=1")
-    assert len(losses(decoupled)) > 1
-    assert losses(decoupled) == pytest.approx(losses(tiny_workspace), abs=1e-6, rel=0)
-    a, b = final_weights(tiny_workspace), final_weights(decoupled)
+    """One target rank feeding 2 FSDP drafter ranks (the drafter sharded over the drafter
+    ranks' own group) trains what colocated FSDP over 2 ranks does."""
+    colocated = trained("train.parallelism=fsdp")
+    finished(tiny_workspace, "train.parallelism=fsdp", "train.topology=decoupled",
+             "train.target_ranks=1")  # fmt: skip
+    assert len(losses(tiny_workspace)) > 1
+    assert losses(tiny_workspace) == pytest.approx(losses(colocated), abs=1e-6, rel=0)
+    a, b = final_weights(colocated), final_weights(tiny_workspace)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0)
-    assert json.loads((decoupled / WS.train_details).read_text())["world_size"] == 2
+    assert json.loads((tiny_workspace / WS.train_details).read_text())["world_size"] == 2
 
 
 def shard_on_three_ranks(rank: int, world_size: int, port: int, results, directory: str) -> None:
@@ -254,21 +251,49 @@ def test_sharded_target_ranks_hold_half_the_target_and_pad_each_others_rounds(tm
     assert max(r["held"] for r in ranks[1:]) <= total // 2 + 300 * 32  # a row per tensor at most
 
 
+def rank_process(job: subprocess.Popen, rank: int, deadline: float) -> psutil.Process:
+    """The process of global ``rank`` in ``job`` (a rank, not torchrun's agent), once started."""
+    while time.time() < deadline and job.poll() is None:
+        for child in psutil.Process(job.pid).children(recursive=True):
+            try:
+                env, cmdline = child.environ(), " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if env.get("RANK") == str(rank) and "torch.distributed.run" not in cmdline:
+                return child
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never started")
+
+
+def assert_dies_naming(job: subprocess.Popen, victim: psutil.Process, rank: int, role: str, ws):
+    """SIGKILL ``victim``: the job ends within two minutes, naming its rank and role, and
+    exports nothing."""
+    victim.send_signal(signal.SIGKILL)
+    began = time.time()
+    out, _ = job.communicate(timeout=120)
+    assert job.returncode != 0 and time.time() - began < 120
+    named = re.search(rf"rank\s*:\s*{rank}\b", out) or f"rank {rank} ({role})" in out
+    assert named, out[-3000:]
+    assert "ranks 0-0 train the drafter, ranks 1-2 run the target" in out
+    assert not (ws / WS.drafter).exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [DECOUPLED, SHARDED], ids=["whole", "sharded"])
-def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter_through_a_kill(
+def test_a_dead_target_rank_ends_the_job_and_the_rerun_trains_the_colocated_drafter(
     planned, overrides
 ):
-    """Killed after checkpoint 3 and resumed, the decoupled run logs the colocated losses and
-    exports its drafter; sharded, the resume at an odd step starts with a padded round."""
+    """A target rank killed after checkpoint 3 ends the job naming it; the rerun resumes and
+    logs the colocated losses and exports its drafter (sharded, a resume between two rounds
+    starts with a padded one)."""
     colocated, decoupled = planned
-    proc = dflash_train(decoupled, *overrides)
+    job = dflash_train(decoupled, *overrides)
     deadline = time.time() + 300
-    while time.time() < deadline and not checkpoint_written(decoupled, 3) and proc.poll() is None:
+    victim = rank_process(job, 2, deadline)
+    while time.time() < deadline and not checkpoint_written(decoupled, 3) and job.poll() is None:
         time.sleep(0.01)
-    kill_tree(proc.pid)
-    proc.communicate()
-    assert checkpoint_written(decoupled, 3) and not (decoupled / WS.drafter).exists()
+    assert checkpoint_written(decoupled, 3), "the run never wrote checkpoint 3"
+    assert_dies_naming(job, victim, 2, "target", decoupled)
     assert "resumed at" in finished(decoupled, *overrides)
     assert losses(decoupled) == pytest.approx(losses(colocated), abs=1e-6, rel=0)
     a, b = final_weights(colocated), final_weights(decoupled)
@@ -284,43 +309,17 @@ def test_two_target_ranks_feeding_one_drafter_rank_train_the_colocated_drafter_t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("role", "overrides"),
-    [("target", DECOUPLED), ("drafter", DECOUPLED), ("target", SHARDED)],
-    ids=["target", "drafter", "sharded-target"],
-)
-def test_a_dead_rank_ends_the_job_naming_its_rank_and_role(planned, role, overrides):
+def test_a_dead_drafter_rank_ends_the_job_naming_its_rank_and_role(planned):
     _, decoupled = planned
-    proc = dflash_train(decoupled, *overrides, "train.checkpoint_every=1000")
-    victim_rank = 2 if role == "target" else 0
+    job = dflash_train(decoupled, *DECOUPLED, "train.checkpoint_every=1000")
     deadline = time.time() + 300
-    victim = None
-    while time.time() < deadline and victim is None and proc.poll() is None:
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            try:
-                env = child.environ()
-            except psutil.Error:
-                continue
-            if env.get("RANK") == str(victim_rank) and "torch.distributed.run" not in " ".join(
-                child.cmdline()
-            ):
-                victim = child
-        time.sleep(0.05)
-    assert victim is not None, "the rank never started"
+    victim = rank_process(job, 0, deadline)
     # Inside the run: the first step's log row means models loaded and features flowing.
     log = decoupled / WS.train_log
-    while time.time() < deadline and not log.exists() and proc.poll() is None:
+    while time.time() < deadline and not log.exists() and job.poll() is None:
         time.sleep(0.05)
-    assert log.exists() and proc.poll() is None, "the run never logged a step"
-    victim.send_signal(signal.SIGKILL)
-    began = time.time()
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert time.time() - began < 120
-    named = re.search(rf"rank\s*:\s*{victim_rank}\b", out) or f"rank {victim_rank} ({role})" in out
-    assert named, out[-3000:]
-    assert "ranks 0-0 train the drafter, ranks 1-2 run the target" in out
-    assert not (decoupled / WS.drafter).exists()
+    assert log.exists() and job.poll() is None, "the run never logged a step"
+    assert_dies_naming(job, victim, 0, "drafter", decoupled)
 
 
 def test_the_balancing_split_and_the_memory_per_role(monkeypatch):
