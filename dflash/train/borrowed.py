@@ -8,7 +8,6 @@ two vocabulary-sized matrices, not the model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -16,19 +15,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from dflash.model.hf_files import WEIGHTS as SINGLE
-from dflash.model.hf_files import WEIGHTS_INDEX as INDEX
 from dflash.model.load import load_target
-from dflash.model.target_dir import resolve_target_path
-
-
-def weight_files(directory: Path) -> dict[str, Path]:
-    """Which safetensors file holds each weight of a model directory."""
-    if (directory / INDEX).is_file():
-        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
-        return {name: directory / file for name, file in weight_map.items()}
-    with safe_open(directory / SINGLE, framework="pt") as f:
-        return dict.fromkeys(f.keys(), directory / SINGLE)
+from dflash.model.target_dir import resolve_target_path, weight_files
 
 
 def _read(files: dict[str, Path], name: str, dtype: torch.dtype, device) -> torch.Tensor:
@@ -40,7 +28,8 @@ def load_borrowed(path_or_dir, device: torch.device, dtype: torch.dtype) -> PreT
     """The target with real embedding and LM head (tied when the target ties them) and every
     other weight on the meta device; frozen, in eval mode."""
     directory = Path(resolve_target_path(path_or_dir))
-    if not (directory / INDEX).is_file() and not (directory / SINGLE).is_file():
+    files = weight_files(directory)
+    if files is None:
         whole = load_target(directory, device="cpu", dtype=dtype)  # a hub id: read it whole once
         return _keep_borrowed(whole, device)
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -53,7 +42,6 @@ def load_borrowed(path_or_dir, device: torch.device, dtype: torch.dtype) -> PreT
     names = dict(model.named_parameters(remove_duplicate=False))
     embed_name = next(n for n, p in names.items() if p is embed_param)
     head_name = next(n for n, p in names.items() if p is head_param and n != embed_name)
-    files = weight_files(directory)
     embed = nn.Embedding.from_pretrained(_read(files, embed_name, dtype, device), freeze=True)
     tied = head_param is embed_param or head_name not in files
     head = nn.Linear(embed.weight.shape[1], embed.weight.shape[0], bias=False, device="meta")
