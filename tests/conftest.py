@@ -13,8 +13,10 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -241,6 +243,23 @@ def trained(tiny_workspace_template, tmp_path_factory):
         return runs[sets]
 
     return run
+
+
+def survivors(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``processes`` still running after up to ``timeout`` seconds. A zombie has
+    ended: only its exit status is left, for its parent or, once orphaned, the container's
+    init to collect."""
+
+    def running(process: psutil.Process) -> bool:
+        try:
+            return process.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(running(p) for p in processes):
+        time.sleep(0.05)
+    return [p for p in processes if running(p)]
 
 
 def checkpoint_written(workspace: Path, step: int) -> bool:

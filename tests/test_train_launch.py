@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import checkpoint_written
+from conftest import checkpoint_written, survivors
 
 from dflash.errors import ConfigError
 from dflash.lock import WorkspaceBusy, workspace_lock
@@ -120,13 +120,6 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
             pass
 
 
-def alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 @pytest.mark.slow
 def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--set=train.checkpoint_every=1"]
@@ -151,13 +144,10 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
     assert len(ranks) == 2 and len(tree) == 3  # the torchrun agent and its two ranks
     os.killpg(launcher.pid, signal.SIGKILL)
     launcher.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and any(alive(p) for p in tree):
-        time.sleep(0.1)
-    survivors = [p.pid for p in tree if alive(p)]
-    for pid in survivors:
+    left = [p.pid for p in survivors(tree, timeout=10)]
+    for pid in left:
         os.kill(pid, signal.SIGKILL)
-    assert survivors == []
+    assert left == []
     assert not (tiny_workspace / WS.drafter).exists()
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import checkpoint_written, run_stages
+from conftest import checkpoint_written, run_stages, survivors
 
 from dflash import cli
 from dflash.declaration import COMMANDS, stages
@@ -177,14 +177,15 @@ def test_ctrl_c_on_train_stops_every_rank_and_exits_130(tiny_workspace):
         time.sleep(0.05)
     tree = psutil.Process(launcher.pid).children(recursive=True)
     assert len(tree) >= 4, tree  # torchrun, two ranks, their loader workers
+    commands = {p.pid: " ".join(p.cmdline()) for p in tree}
     os.killpg(launcher.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == SIGINT_EXIT, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         "dflash train: interrupted; rerun to resume"
     )
-    _, alive = psutil.wait_procs(tree, timeout=1)
-    assert not alive, f"outlived the launcher: {[p.cmdline() for p in alive]}"
+    left = survivors(tree, timeout=1)
+    assert not left, f"outlived the launcher: {[commands[p.pid] for p in left]}"
 
 
 class FinishedJob:
