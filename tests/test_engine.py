@@ -15,12 +15,13 @@ import pytest
 import torch
 import yaml
 from conftest import run_stages, tiny_qwen3
-from engine_server import FAULTS, StandInEngine
+from engine_server import FAULTS, StandInEngine, aux_states
 from test_train import final_weights
 
 from dflash.config import Config
 from dflash.data.local_server import free_port
 from dflash.errors import ConfigError
+from dflash.model import hidden_states
 from dflash.model.features import target_features
 from dflash.model.hidden_states import (
     EngineClient,
@@ -64,9 +65,17 @@ def engine(target, tmp_path):
         yield server
 
 
-def client(*endpoints: str, retries: int = 0, timeout_s: float = 30.0) -> EngineClient:
+@pytest.fixture(autouse=True)
+def no_backoff(monkeypatch):
+    """Retries at once: the tests count attempts, not how long they wait between them."""
+    monkeypatch.setattr(hidden_states, "BACKOFF_S", 0.0)
+
+
+def client(
+    *endpoints: str, directory: Path | None = None, retries: int = 0, timeout_s: float = 30.0
+) -> EngineClient:
     return EngineClient(
-        list(endpoints), hidden_transfer("file"), len(LAYERS), 32, torch.float32,
+        list(endpoints), hidden_transfer("file", directory), len(LAYERS), 32, torch.float32,
         timeout_s=timeout_s, max_retries=retries,
     )  # fmt: skip
 
@@ -102,23 +111,25 @@ def planned(docs):
     return [[padded], [packed]]
 
 
-def test_engine_layer_j_is_the_output_of_drafter_layer_j_minus_1(target):
-    """The convention, pinned: colocated features are layer i's output, HF hidden_states[i+1];
-    vLLM's aux state j is layer j's input, HF hidden_states[j]: so the engine is asked i+1."""
+def test_vllms_aux_states_of_the_engine_layer_ids_are_the_colocated_features(target):
+    """The convention, pinned against vLLM's definition (the stand-in's ``aux_states``: the
+    residual stream entering aux layer j), not against Hugging Face's hidden_states list:
+    colocated features are layer i's output, so the engine is asked for i + 1."""
     assert engine_layer_ids(LAYERS) == [2, 4]
-    ids = torch.tensor([documents(1)[0]])
-    with torch.no_grad():
-        hidden = target(input_ids=ids, output_hidden_states=True).hidden_states
-    ours = target_features(target, ids, torch.arange(ids.shape[1])[None], ids * 0, LAYERS)
-    served = torch.cat([hidden[j] for j in engine_layer_ids(LAYERS)], dim=-1)
-    torch.testing.assert_close(served, ours, atol=1e-6, rtol=0)
+    ids = documents(1)[0]
+    t = torch.tensor([ids])
+    ours = target_features(target, t, torch.arange(t.shape[1])[None], t * 0, LAYERS)
+    served = aux_states(target, ids, engine_layer_ids(LAYERS)).flatten(1)
+    torch.testing.assert_close(served, ours[0], atol=1e-6, rtol=0)
+    embedded = target.get_input_embeddings()(t)[0]  # aux layer 0: what enters the first layer
+    torch.testing.assert_close(aux_states(target, ids, [0])[:, 0], embedded, atol=0, rtol=0)
 
 
 def test_engine_features_equal_colocated_features_padded_and_packed(target, engine, tmp_path):
     docs = documents()
-    second = StandInEngine(target, engine_layer_ids(LAYERS), tmp_path / "hs2")
+    second = StandInEngine(target, engine_layer_ids(LAYERS), engine.directory)
     with second:
-        served = client(engine.url, second.url)
+        served = client(engine.url, second.url, directory=engine.directory)
         features = DocumentFeatures(
             served_fetch(served), Documents(docs), CPU, 64, torch.float32, prefetch=1, workers=4,
             forwards=lambda: served.requests,
@@ -135,25 +146,49 @@ def test_engine_features_equal_colocated_features_padded_and_packed(target, engi
     assert not list((tmp_path / "hs").iterdir()), "every file read once, then removed"
 
 
+REASONS = {
+    "http500": "BadStates: HTTP 500",
+    "slow": "TimeoutError",
+    "trickle": "TimeoutError: no whole answer within 0.5 s",
+    "garbage": "BadStatusLine",
+    "bad_json": "the answer is not JSON",
+    "no_params": "no kv_transfer_params",
+    "missing": "no hidden-states file",
+    "truncated": "is unreadable: SafetensorError",
+    "shape": "hidden_states have shape (",
+    "dtype": "hidden_states have dtype torch.float16, expected torch.float32",
+    "stale": "other tokens",
+    "zeros": "all zero",
+    "nan": "NaN",
+}
+"""The reason each fault of the stand-in must be named by."""
+
+
+def test_every_fault_has_its_reason():
+    assert set(REASONS) == set(FAULTS)
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_every_fault_is_retried_then_ends_the_run_naming_endpoint_and_micro_batch(engine, fault):
     docs = documents(1)
     engine.faults.extend([fault] * 2)
-    flaky = client(engine.url, retries=1, timeout_s=1.0)
+    flaky = client(engine.url, directory=engine.directory, retries=1, timeout_s=0.5)
     features = DocumentFeatures(
         served_fetch(flaky), Documents(docs), CPU, 64, torch.float32, prefetch=1, workers=1
     )
     features.epoch([[[[(0, 0, len(docs[0]))]]]], 0)
     with pytest.raises(EngineError) as err:
         features(Batch(torch.zeros((1, len(docs[0])), dtype=torch.long)))
-    assert engine.url in str(err.value) and "micro-batch 0 of drafter rank 0" in str(err.value)
-    assert "2 attempts" in str(err.value)
+    message = str(err.value)
+    assert engine.url in message and "micro-batch 0 of drafter rank 0" in message
+    assert "2 attempts" in message and REASONS[fault] in message, message
+    assert "\n" not in message
 
 
 def test_a_fault_then_a_good_answer_trains_on_the_good_one(target, engine):
     docs = documents(1)
     engine.faults.extend(["stale"])
-    states = client(engine.url, retries=1).states(docs[0], "sample 0")
+    states = client(engine.url, directory=engine.directory, retries=1).states(docs[0], "0")
     ids = torch.tensor([docs[0]])
     want = target_features(target, ids, torch.arange(ids.shape[1])[None], ids * 0, LAYERS)[0]
     torch.testing.assert_close(states, want, atol=1e-5, rtol=0)
@@ -163,6 +198,94 @@ def test_a_server_that_is_down_is_named():
     down = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(EngineError, match=down.replace(".", r"\.")):
         client(down, retries=1).states([5, 6, 7], "micro-batch 3 of drafter rank 1, sample 9")
+
+
+class Watched:
+    """A file transfer that records every path it is asked to read or delete."""
+
+    def __init__(self, directory: Path) -> None:
+        self.inner = hidden_transfer("file", directory)
+        self.hidden_states_path = self.inner.hidden_states_path
+        self.touched: list[str] = []
+
+    def get_generated(self, params):
+        self.touched.append(str(params["hidden_states_path"]))
+        return self.inner.get_generated(params)
+
+    def delete(self, handle: str) -> None:
+        self.touched.append(handle)
+        self.inner.delete(handle)
+
+
+HOSTILE = {
+    "the drafter's weights": lambda ws: str(ws / "models/drafter/model.safetensors"),
+    "a system file": lambda ws: "/etc/passwd",
+    "a relative path up": lambda ws: "../../models/drafter/model.safetensors",
+    "an absolute path up": lambda ws: (
+        f"{ws}/data/hidden_states/../../models/drafter/model.safetensors"
+    ),
+    "a link out": lambda ws: "link.safetensors",
+    "the directory itself": lambda ws: ".",
+    "an integer": lambda ws: 12345,
+    "a list": lambda ws: [str(ws / "models/drafter/model.safetensors")],
+}
+"""``hidden_states_path`` answers naming what the client must never read nor delete."""
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_path_outside_the_states_directory_is_refused_never_read_nor_deleted(
+    target, tmp_path, name
+):
+    """The drafter's weights hold, byte for byte, the states asked for (an answer the checks
+    would pass): only where the file lies refuses it."""
+    ws, doc = tmp_path / "ws", documents(1)[0]
+    directory = ws / "data/hidden_states"
+    directory.mkdir(parents=True)
+    weights = ws / "models/drafter/model.safetensors"
+    weights.parent.mkdir(parents=True)
+    states = aux_states(target, doc, engine_layer_ids(LAYERS))
+    StandInEngine._write(weights, states, torch.tensor(doc), None)
+    (directory / "link.safetensors").symlink_to(weights)
+    before = weights.read_bytes()
+    handle = HOSTILE[name](ws)
+    watched = Watched(directory)
+    with StandInEngine(target, engine_layer_ids(LAYERS), directory) as engine:
+        engine.faults.append({"hidden_states_path": handle})
+        asking = EngineClient([engine.url], watched, len(LAYERS), 32, torch.float32, max_retries=0)
+        with pytest.raises(EngineError) as err:
+            asking.states(doc, "sample 0")
+    assert repr(handle) in str(err.value) and "refused" in str(err.value)
+    assert watched.touched == [] and weights.read_bytes() == before
+    assert (directory / "link.safetensors").is_symlink()
+
+
+def test_only_files_inside_the_states_directory_are_read_then_deleted(target, engine):
+    """A relative name is of the directory; the file the client read is gone after."""
+    doc = documents(1)[0]
+    name = "relative.safetensors"
+    states = aux_states(target, doc, engine_layer_ids(LAYERS))
+    StandInEngine._write(engine.directory / name, states, torch.tensor(doc), None)
+    engine.faults.append({"hidden_states_path": name})
+    watched = Watched(engine.directory)
+    asking = EngineClient([engine.url], watched, len(LAYERS), 32, torch.float32, max_retries=0)
+    assert asking.states(doc, "sample 0").shape == (len(doc), 64)
+    inside = str((engine.directory / name).resolve())
+    assert watched.touched == [inside, inside] and not (engine.directory / name).exists()
+
+
+def test_capture_from_an_engine_that_is_down_ends_in_one_line_naming_it(
+    tiny_workspace, monkeypatch, capsys
+):
+    from dflash.cli import main
+
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    monkeypatch.chdir(tiny_workspace)
+    sets = ["train.features=files", "train.topology=engine", f"engine.endpoints=[{down}]"]
+    code = main(["capture", *(f"--set={s}" for s in [*sets, "engine.max_retries=0"])])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert f"{down}: ConnectionRefusedError" in err and "sample 0" in err
+    assert not (tiny_workspace / WS.features).exists()
 
 
 def test_a_missing_or_stale_capture_file_ends_the_run_naming_the_sample(target, tmp_path):
@@ -278,7 +401,8 @@ def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_dr
     assert reference["target_forwards"] > 0
 
     target = load_target(base / WS.target, device="cpu")
-    with StandInEngine(target, engine_layer_ids(LAYERS), tmp_path / "hs") as engine:
+    states = served / hidden_states.STATES_DIR  # the client's directory in that workspace
+    with StandInEngine(target, engine_layer_ids(LAYERS), states) as engine:
         details = train(served, "train.topology=engine", f"engine.endpoints=[{engine.url}]")
     same_drafter(base, served)
     assert details["target_forwards"] == engine.requests > 0
