@@ -20,7 +20,7 @@ from dflash import logs, provenance
 from dflash.config import Config
 from dflash.declaration import COMMANDS, restrict, stages
 from dflash.errors import ConfigError, OutputError, UserError
-from dflash.fileio import SIGINT_EXIT, exit_on_sigterm
+from dflash.fileio import SIGINT_EXIT, SIGTERM_EXIT, exit_on_sigterm
 from dflash.lock import launched_by_torchrun, record_exit, workspace_lock
 from dflash.params import load_config
 from dflash.workspace import Workspace
@@ -165,6 +165,11 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"dflash {stage}: interrupted; rerun to resume", file=sys.stderr)
         return SIGINT_EXIT
+    except SystemExit as ended:
+        if ended.code != SIGTERM_EXIT:
+            raise
+        print(f"dflash {stage}: terminated (SIGTERM); rerun to resume", file=sys.stderr)
+        return SIGTERM_EXIT
     except (UserError, FileNotFoundError, OutputError) as err:
         code = _report(stage, err)
         if launched_by_torchrun():
