@@ -7,8 +7,11 @@ no truncated JSON or Parquet for DVC, a resumed run or a trainer to trust.
 A fault of the machine while publishing (disk full, permission denied, read-only file system)
 becomes an :class:`OutputError`: one line naming the output and the errno, the old output left
 as it was. An output directory that is a symbolic link is followed: the directory it points to
-is swapped whole beside itself and the link stays. A link where a file output goes is replaced
-by the new file, never written through (it may point into DVC's read-only cache).
+is swapped whole beside itself and the link stays. A directory is swapped in two renames (the
+old one to ``.old``, the new one in its place); a process killed between them leaves the old
+one at ``.old``, put back by the next write (:func:`recover_dir`). A link where a file output
+goes is replaced by the new file, never written through (it may point into DVC's read-only
+cache).
 
 Every output gets the mode the process's umask gives a plain ``open`` (``0644`` under ``022``),
 whatever the writer chose: ``safetensors`` creates its files ``0600``, which would leave weights
@@ -85,6 +88,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     old = path.with_name(path.name + ".old")
     try:
         with machine_faults(path):
+            recover_dir(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -123,6 +127,21 @@ def honour_umask(path: Path) -> None:
             continue
         full = 0o777 if entry.is_dir() or entry.stat().st_mode & 0o111 else 0o666
         entry.chmod(full & ~mask)
+
+
+def recover_dir(path: str | Path) -> bool:
+    """Put back the directory a swap moved aside, if a process was killed before the new one
+    took its place (``path`` missing, ``path.old`` whole); whether it did.
+
+    The two renames of :func:`_swap` leave that state for a moment; the next write of the
+    output (:func:`atomic_dir`) calls this first, so the old output is never deleted unseen.
+    """
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    old = path.with_name(path.name + ".old")
+    if path.exists() or path.is_symlink() or not old.is_dir():
+        return False
+    old.rename(path)
+    return True
 
 
 def _swap(new: Path, path: Path, old: Path) -> None:
@@ -177,9 +196,10 @@ def write_json_atomic(path: str | Path, data: Any, *, sort_keys: bool = False) -
     """``data`` as indented JSON with a trailing newline, written atomically.
 
     ``sort_keys`` stays off by default: most outputs keep their insertion order, and their
-    bytes (hence DVC hashes) should not change with this helper.
+    bytes (hence DVC hashes) should not change with this helper. A NaN or infinity raises
+    ``ValueError`` before anything is written: JSON has no such number, and readers choke on it.
     """
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=sort_keys, allow_nan=False) + "\n")
 
 
 def sha256_file(path: str | Path) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from dflash.fileio import write_json_atomic
 from dflash.metrics_schema import (
+    NULL_REASONS,
     EvalHeadline,
     Metrics,
     RegenerateHeadline,
@@ -34,7 +35,8 @@ EVAL = tuple(key for key in leaves(EvalHeadline) if key not in CI_ENDS)
 
 
 def headline(data: dict, keys: tuple[str, ...]) -> dict:
-    """The dotted ``keys`` of ``data`` that it has, nested as in ``data``."""
+    """The dotted ``keys`` of ``data`` that it has, nested as in ``data``; the reasons for
+    null figures (:data:`NULL_REASONS`) only of the figures kept."""
     out: dict[str, Any] = {}
     for key in keys:
         *parents, leaf = key.split(".")
@@ -44,7 +46,8 @@ def headline(data: dict, keys: tuple[str, ...]) -> dict:
             target = target.setdefault(part, {})
         if isinstance(source, dict) and leaf in source:
             target[leaf] = source[leaf]
-    return prune(out)
+    reasons = {k: v for k, v in (out.pop(NULL_REASONS, None) or {}).items() if k in out}
+    return prune(out | ({NULL_REASONS: reasons} if reasons else {}))
 
 
 def prune(tree: dict) -> dict:

@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+NULL_REASONS = "null_reasons"
+"""The key of a file's reasons for its null figures (a file holds no NaN: JSON has none)."""
 SCHEMA_FILE = "{name}.schema.json"
 """A schema's file name in the directory ``write_schemas`` fills (``docs/schemas``)."""
 
@@ -242,14 +244,20 @@ class TrainDetails(Metrics):
     ``drafter.init_from`` names, then also under ``init_from``)."""
     drafter_wait_fraction: float
     epochs: int
-    final_accuracy: float
-    final_loss: float
-    final_simulated_tau: float
+    final_accuracy: float | None
+    """The last logged row's accuracy on the training batches (None: see ``null_reasons``)."""
+    final_loss: float | None
+    """The mean loss of the last epoch's finite steps (None: see ``null_reasons``)."""
+    final_simulated_tau: float | None
+    """The last logged row's τ on the held-out batch (None: see ``null_reasons``)."""
     flex_compiles: int
     grad_norm_cv: float | None
     loss_length_corr: float | None
     """Spearman correlation of the finite steps' losses with their mean sample lengths."""
     loss_spikes: int
+    null_reasons: dict[str, str] | None = None
+    """Why a figure is null, by its key: no step ran, none was finite, no held-out batch.
+    Absent when every figure has a value."""
     padded_tokens_per_s: float
     padding_efficiency: float
     planned_steps: int
@@ -375,12 +383,14 @@ class TrainHeadline(Metrics):
     padded_tokens_per_s: float
     padding_efficiency: float
     steps: int
-    final_loss: float
+    final_loss: float | None
     loss_spikes: int
     grad_norm_cv: float | None
     loss_length_corr: float | None
     target_idle_fraction: float
     drafter_wait_fraction: float
+    null_reasons: dict[str, str] | None = None
+    """Why a figure of this file is null, by its key; absent when every one has a value."""
 
 
 class BaselineHeadline(Metrics):

@@ -8,11 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from declaration import ROOT
+from test_headline import TRAIN_DETAILS
 
 from dflash import metrics_schema as ms
 from dflash.batching.io import PLAN_SUMMARY
 from dflash.data.store import STORE_MANIFEST
+from dflash.fileio import write_json_atomic
+from dflash.headline import write_metrics
+from dflash.train.loop import NO_HELDOUT, NO_STEP, NOT_FINITE, final_figures
+from dflash.train.state import TrainState
 from dflash.workspace import Workspace
 
 WS = Workspace(Path())
@@ -91,3 +97,72 @@ def test_a_null_where_a_nested_object_goes_still_reads_as_one():
     report = ms.partial(ms.IngestReport, {"kept": None, "skipped": {"a": None}})
     assert report.kept.train is None and report.skipped["a"].count is None
     assert ms.partial(ms.RegenerateReport, {"engine": {"x": None}}).engine == {"x": None}
+
+
+def test_a_file_holds_the_keys_its_writer_gave_in_the_models_order():
+    """Hand-written expectations, independent of ``dump``: an optional key left out stays out,
+    one given as None is written as null, and the keys come in the file's (the model's) order."""
+    given = {"skipped": False, "seconds": None, "conversations": 3}
+    report = ms.RegenerateReport.model_validate(given)
+    assert json.dumps(report.dump()) == '{"conversations": 3, "seconds": null, "skipped": false}'
+    read = ms.RegenerateReport.model_validate_json('{"conversations": 1, "skipped": true}')
+    assert read.dump() == {"conversations": 1, "skipped": True}
+    kept = ms.IngestReport.model_validate_json(
+        '{"source": "s", "records_read": 2, "kept": {"train": 1, "heldout": 1}, "skipped": {},'
+        ' "skipped_total": 0, "duplicates_removed": {"count": 0, "first_lines": []},'
+        ' "duplicate_ids_renamed": {"count": 0, "first_lines": []}, "eval_fraction": 0.5,'
+        ' "max_conversations": null, "left_out_by_max_conversations": 0}'
+    ).dump()
+    assert list(kept) == ["source", "records_read", "kept", "skipped", "skipped_total",
+                          "duplicates_removed", "duplicate_ids_renamed", "eval_fraction",
+                          "max_conversations", "left_out_by_max_conversations"]  # fmt: skip
+    assert kept["kept"] == {"train": 1, "heldout": 1} and kept["max_conversations"] is None
+
+
+def strict_json(text: str) -> dict:
+    """``text`` as JSON as the standard has it: a NaN or Infinity is refused."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is no JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def details_of(**figures) -> ms.TrainDetails:
+    return ms.TrainDetails.model_validate(TRAIN_DETAILS | figures)
+
+
+def test_a_run_without_steps_writes_null_figures_with_their_reasons(tmp_path):
+
+    figures, reasons = final_figures(TrainState(), measured_tau=True)
+    assert figures == {"final_loss": None, "final_accuracy": None, "final_simulated_tau": None}
+    assert reasons == dict.fromkeys(figures, NO_STEP)
+    assert "train.max_steps: 0" in NO_STEP
+    write_metrics(tmp_path / "train.json", tmp_path / "details.json",
+                  details_of(**figures, null_reasons=reasons), ms.TrainHeadline)  # fmt: skip
+    details = strict_json((tmp_path / "details.json").read_text())
+    assert details["final_loss"] is None and details["null_reasons"] == reasons
+    headline = strict_json((tmp_path / "train.json").read_text())
+    assert headline["final_loss"] is None
+    assert headline["null_reasons"] == {"final_loss": NO_STEP}  # only the headline's figures
+
+    engine = TrainState(global_step=2, epoch_loss=[(0, 2.5, 1.0), (0, 1.5, 3.0)],
+                        rows=[{"step": 2, "loss": 1.7, "accuracy": 0.25}])  # fmt: skip
+    figures, reasons = final_figures(engine, measured_tau=False)
+    assert figures == {"final_loss": 1.75, "final_accuracy": 0.25, "final_simulated_tau": None}
+    assert reasons == {"final_simulated_tau": NO_HELDOUT}
+
+
+def test_a_non_finite_figure_is_null_and_no_json_writer_writes_nan(tmp_path):
+
+    state = TrainState(
+        global_step=1,
+        epoch_loss=[(0, 1.0, 1.0)],
+        rows=[{"loss": 1.0, "accuracy": 0.5, "simulated_tau": float("nan")}],
+    )
+    figures, reasons = final_figures(state, measured_tau=True)
+    assert figures["final_simulated_tau"] is None and reasons == {"final_simulated_tau": NOT_FINITE}
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="not JSON compliant"):
+            write_json_atomic(tmp_path / "m.json", {"final_loss": bad})
+        assert not list(tmp_path.iterdir())  # nothing written, no temporary file left

@@ -85,6 +85,7 @@ def train(config: Config, files: TrainFiles, declared: Declared) -> None:
             else:
                 Trainer(config, files, declared, placement.ctx, placement).fit()
     finally:
+        checkpoint.release_runs()
         shutdown(world)
 
 
@@ -445,18 +446,11 @@ class Trainer:
 
     def _summary(self) -> dict[str, Any]:
         s = self.state
-        last_epoch = max((e for e, _, _ in s.epoch_loss), default=0)
-        last = [(loss, w) for e, loss, w in s.epoch_loss if e == last_epoch]
-        weight = sum(w for _, w in last)
-        final_loss = sum(loss * w for loss, w in last) / weight if weight else float("nan")
-        rows = s.rows
-        last_row = next((row for row in reversed(rows) if "loss" in row), {})
+        finals, null_reasons = final_figures(s, self.simulated is not None)
         tau_seconds = self.simulated.seconds if self.simulated else 0.0
         return {
             "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            "final_loss": final_loss,
-            "final_accuracy": last_row.get("accuracy", float("nan")),
-            "final_simulated_tau": last_row.get("simulated_tau", float("nan")),
+            **finals,
             "simulated_tau_cost": tau_seconds / max(s.elapsed_s, 1e-9),
             **throughput(s),
             "projected_hours": projected_hours(
@@ -472,7 +466,37 @@ class Trainer:
             "train_seconds": s.elapsed_s,
             "flex_compiles": flex_compiles(),
             "drafter_sources": self.drafter_sources,
-        }
+        } | ({"null_reasons": null_reasons} if null_reasons else {})
+
+
+NO_STEP = "no optimizer step ran (train.max_steps: 0)"
+NO_FINITE_STEP = "no step had a finite loss (every step was skipped)"
+NO_HELDOUT = "no held-out batch to measure it on (an engine run, or no held-out prompts)"
+NOT_FINITE = "it came out non-finite"
+
+
+def final_figures(s: TrainState, measured_tau: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """The last epoch's loss and the last row's accuracy and τ; a figure with nothing to give
+    it, or a non-finite one, is None (JSON null, never NaN), and the second dict says why."""
+    last_epoch = max((e for e, _, _ in s.epoch_loss), default=0)
+    last = [(loss, w) for e, loss, w in s.epoch_loss if e == last_epoch]
+    weight = sum(w for _, w in last)
+    last_row = next((row for row in reversed(s.rows) if "loss" in row), {})
+    no_row = NO_STEP if s.global_step == 0 else "no step was logged"
+    figures = {
+        "final_loss": (sum(loss * w for loss, w in last) / weight if weight else None,
+                       NO_STEP if s.global_step == 0 else NO_FINITE_STEP),
+        "final_accuracy": (last_row.get("accuracy"), no_row),
+        "final_simulated_tau": (last_row.get("simulated_tau"),
+                                no_row if not last_row or measured_tau else NO_HELDOUT),
+    }  # fmt: skip
+    values, reasons = {}, {}
+    for key, (value, why) in figures.items():
+        finite = value is not None and math.isfinite(value)
+        values[key] = value if finite else None
+        if not finite:
+            reasons[key] = why if value is None else NOT_FINITE
+    return values, reasons
 
 
 def mean_length(result: dict[str, Any]) -> float:

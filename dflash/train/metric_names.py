@@ -50,6 +50,7 @@ SUMMARY = {
         "train_seconds",
         "flex_compiles",
         "drafter_sources",
+        "null_reasons",
     ),
     "the feature source's finish()": (
         "target_idle_fraction",
