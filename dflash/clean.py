@@ -4,13 +4,13 @@ Each run (params, data, code: its fingerprint) keeps its checkpoints in a direct
 under ``checkpoints/`` (:mod:`dflash.train.checkpoint`), so a run with other params never
 removes an interrupted one's. ``train.keep_runs`` bounds how many stay; this command shows
 them, marks the one the current params would resume, and removes what the user names. It
-takes the workspace's lock: checkpoints are never removed under a running stage.
+takes the workspace's lock, and a run's own lock before removing it: a run that a live process
+trains, in this workspace or another sharing ``train.checkpoint_dir``, is kept, and said so.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 from pathlib import Path
 
@@ -32,17 +32,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(config: Config, workspace: Workspace, options: argparse.Namespace) -> int:
-    from dflash.train.checkpoint import run_directories
+    from dflash.stages.train import train_files
+    from dflash.train.checkpoint import remove_run, run_directories
 
-    root = workspace.checkpoints
+    root = train_files(workspace, unrestricted(config)).checkpoints
     with workspace_lock(workspace.lock, "clean"):
         runs = run_directories(root)
-        doomed = _chosen(runs, options)
-        for path in doomed:
+        removed = []
+        for path in _chosen(runs, options):
             size = _size(path)
-            shutil.rmtree(path)
-            print(f"removed run {path.name} ({size})")
-        kept = [path for path in runs if path not in doomed]
+            why = remove_run(path)
+            if why is None:
+                removed.append(path)
+                print(f"removed run {path.name} ({size})")
+            else:
+                print(f"kept run {path.name}: {why}")
+        kept = [path for path in runs if path not in removed]
         print(_listing(kept, _current(config, workspace), root))
     return 0
 
@@ -103,7 +108,7 @@ def _param(params: dict, key: str) -> str:
 
 
 def _size(path: Path) -> str:
-    total = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    total = sum(p.lstat().st_size for p in path.rglob("*") if not p.is_dir())
     for unit in ("B", "KiB", "MiB", "GiB"):
         if total < 1024 or unit == "GiB":
             return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"

@@ -141,3 +141,31 @@ def test_export_is_whole_or_absent(tmp_path, monkeypatch, fail_after):
         "model.safetensors": "old",
     }
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+
+def test_keep_checkpoints_keeps_the_newest_n_with_their_digests(tmp_path):
+    for step in (1, 2, 3, 10):
+        path = checkpoint.checkpoint_path(tmp_path, step)
+        path.mkdir()
+        (path / "shard").write_text(str(step))
+        path.with_name(path.name + ".sha256").write_text("digest")
+    (tmp_path / checkpoint.CHECKPOINT_RUN).write_text("{}")
+    (tmp_path / checkpoint.RUN_LOCK).write_text("")
+    checkpoint.prune_checkpoints(tmp_path, 2)
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [10, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        checkpoint.CHECKPOINT_RUN,
+        checkpoint.RUN_LOCK,
+        "step_00000003",
+        "step_00000003.sha256",
+        "step_00000010",
+        "step_00000010.sha256",
+    ]
+
+
+def test_saving_a_checkpoint_keeps_the_newest_keep_checkpoints(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(tmp_path, step, {"w": torch.full((2,), float(step))}, "f", 2)
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [3, 2]
+    into = {"w": torch.zeros(2)}
+    assert checkpoint.load_latest(tmp_path, "f", into) == (3, []) and into["w"].tolist() == [3, 3]

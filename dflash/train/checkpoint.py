@@ -9,17 +9,20 @@ truncated, bit-rotted) is skipped on resume and the one before it is used. A
 target, tokenizer, code) keeps a rerun from resuming a checkpoint of another run, and names
 the run's own directory under the checkpoint root: a run with other params writes beside an
 interrupted one and never removes it, so going back to the first params resumes it. Only
-``prune_runs`` removes another run's checkpoints, the least recently written past a bound.
+``prune_runs`` removes another run's checkpoints, the least recently written past a bound, and
+never one a live process trains: each run holds a lock in its own directory (``RUN_LOCK``).
 Checkpoints hold tensors and plain types only and are read without running pickled code
 (:mod:`dflash.train.dcp_safe`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import shutil
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dflash.errors import UserError
 from dflash.fileio import write_text_atomic
 from dflash.fingerprint import digest, path_digest
 from dflash.model.load import target_digest
@@ -52,6 +56,22 @@ logger = logging.getLogger(__name__)
 HEX = frozenset("0123456789abcdef")
 
 
+RUN_LOCK = "run.lock"
+"""In a run's directory: ``flock``-ed by the process training the run for its whole life (the
+kernel drops it however that process dies), and briefly by one removing the run. A checkpoint
+root that workspaces share (``train.checkpoint_dir``) is beyond each workspace's lock: this
+one keeps ``prune_runs`` and ``dflash clean`` off a run that another workspace is training."""
+REMOVING = "removing"
+"""What a process removing a run writes in its lock: a start of that run waits for it."""
+
+_held: dict[Path, int] = {}
+"""The runs this process trains, and their lock's file descriptor."""
+
+
+class RunBusy(UserError):
+    """A live process trains this very run in a shared checkpoint root (exit 2)."""
+
+
 def run_directory(root: Path, fingerprint: str) -> Path:
     """Where the run of ``fingerprint`` keeps its checkpoints, under the checkpoint root."""
     return root / fingerprint[:RUN_ID_CHARS]
@@ -70,27 +90,126 @@ def run_directories(root: Path) -> list[Path]:
 
 
 def last_written(run: Path) -> float:
-    """When a run last wrote anything: its newest entry's modification time."""
-    return max((p.stat().st_mtime for p in run.iterdir()), default=run.stat().st_mtime)
+    """When a run last wrote anything: its newest entry's modification time (a link's own, so
+    a dangling one counts too); 0 for a run removed meanwhile."""
+    try:
+        return max((p.lstat().st_mtime for p in run.iterdir()), default=run.stat().st_mtime)
+    except FileNotFoundError:
+        return 0.0
+
+
+def hold_run(run: Path) -> None:
+    """Lock ``run`` for this process until :func:`release_runs` or its death: a run that
+    another process trains is refused, one that another process removes is waited for."""
+    if run in _held:
+        return
+    while True:
+        run.mkdir(parents=True, exist_ok=True)
+        fd = _open_lock(run)
+        holder = _try_lock(fd)
+        if holder is not None and not holder.endswith(REMOVING):
+            os.close(fd)
+            raise RunBusy(
+                f"{run}: this run is being trained by {_describe(holder)}, which shares "
+                "train.checkpoint_dir with this workspace; wait for it to end, or set another "
+                "train.checkpoint_dir"
+            )
+        if holder is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the remover ends soon: the directory is then gone
+        if _still_there(fd, run):
+            break
+        os.close(fd)
+    _stamp(fd, "train")
+    _held[run] = fd
+
+
+def release_runs() -> None:
+    """Unlock every run this process holds (forked loader workers share the lock: unlocked,
+    not only closed)."""
+    while _held:
+        _, fd = _held.popitem()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def remove_run(run: Path) -> str | None:
+    """Remove ``run`` whole unless a live process holds its lock; why it was kept, else None."""
+    try:
+        fd = _open_lock(run)
+    except FileNotFoundError:
+        return None  # removed meanwhile
+    except OSError as err:
+        return f"its lock {run / RUN_LOCK} cannot be opened ({err.strerror})"
+    try:
+        holder = _try_lock(fd)
+        if holder is not None:
+            return f"in use by {_describe(holder)}"
+        _stamp(fd, REMOVING)
+        shutil.rmtree(run)
+    except OSError as err:
+        return f"not removed whole ({err.strerror}: {err.filename})"
+    finally:
+        os.close(fd)
+    return None
+
+
+def _open_lock(run: Path) -> int:
+    return os.open(run / RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+
+
+def _try_lock(fd: int) -> str | None:
+    """None when this process now holds the lock of ``fd``, else what its holder wrote."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 256, 0).decode(errors="replace").strip()
+    return None
+
+
+def _still_there(fd: int, run: Path) -> bool:
+    """Whether the lock of ``fd`` is still the one in ``run`` (a remover may have unlinked it)."""
+    try:
+        found = (run / RUN_LOCK).lstat()
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (found.st_dev, found.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _stamp(fd: int, doing: str) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()} {doing}\n".encode(), 0)
+
+
+def _describe(holder: str) -> str:
+    pid, host, doing = (holder.split(maxsplit=2) + ["?", "?", "?"])[:3]
+    if not pid.isdigit():
+        return "another process"
+    return f"PID {pid} on {host}" + (", removing it" if doing == REMOVING else "")
 
 
 def prune_runs(root: Path, keep: int, current: Path) -> list[Path]:
-    """Remove the least recently written runs past ``keep``, never ``current``; the removed."""
-    others = [run for run in run_directories(root) if run != current]
-    removed = others[max(keep - 1, 0) :]
-    for run in removed:
-        shutil.rmtree(run, ignore_errors=True)
+    """Remove the least recently written runs past ``keep``, never ``current`` nor one a live
+    process holds (said in the log); the removed."""
+    removed = []
+    for run in [run for run in run_directories(root) if run != current][max(keep - 1, 0) :]:
+        why = remove_run(run)
+        if why is None:
+            removed.append(run)
+        else:
+            logger.warning(f"kept the checkpoints of run {run.name} past train.keep_runs: {why}")
     return removed
 
 
 def start_run(root: Path, fingerprint: str, params: dict[str, Any], keep_runs: int) -> Path:
-    """This run's directory, described for ``dflash clean``; runs past ``keep_runs`` pruned.
+    """This run's directory, locked and described for ``dflash clean``; runs past ``keep_runs``
+    pruned.
 
-    Rank 0 only. The description is written once and touched at every start, so a resumed
-    run counts as recently written however old its checkpoints are.
+    Rank 0 only; :func:`release_runs` unlocks it. The description is written once and touched
+    at every start, so a resumed run counts as recently written however old its checkpoints are.
     """
     run = run_directory(root, fingerprint)
-    run.mkdir(parents=True, exist_ok=True)
+    hold_run(run)
     info = json.dumps({"fingerprint": fingerprint, "params": params}, indent=2, sort_keys=True)
     write_text_atomic(run / CHECKPOINT_RUN, info + "\n")
     for old in prune_runs(root, keep_runs, run):
@@ -125,6 +244,12 @@ def list_checkpoints(directory: Path) -> list[Path]:
 def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
     _digest_path(path).unlink(missing_ok=True)
+
+
+def prune_checkpoints(directory: Path, keep: int) -> None:
+    """Remove all but the ``keep`` newest checkpoints (``train.keep_checkpoints``)."""
+    for old in list_checkpoints(directory)[keep:]:
+        remove_checkpoint(old)
 
 
 def remove_checkpoints(directory: Path) -> None:
@@ -194,8 +319,7 @@ def save_checkpoint(
         _fsync(directory)
         write_text_atomic(_digest_path(path), path_digest(path), fsync=True)
         _fsync(directory)
-        for old in list_checkpoints(directory)[keep:]:
-            remove_checkpoint(old)
+        prune_checkpoints(directory, keep)
     _barrier(group)
     return path
 
