@@ -14,6 +14,9 @@ from dflash.fingerprint import path_digest
 from dflash.metrics_schema import TrainDetails, read
 from dflash.workspace import RELATIVE
 
+SHOWN = 16
+"""Hex digits of a digest a message shows: enough to tell two apart."""
+
 
 def stale_drafter(root: Path) -> str | None:
     """Why the drafter under ``root`` is not the last training run's, or None when it is.
@@ -39,9 +42,13 @@ def stale_drafter(root: Path) -> str | None:
     if isinstance(train, str):
         return f"{details} is unreadable: the last training run did not finish; {rerun}"
     recorded = train.drafter_sha256
-    if recorded is not None and recorded != path_digest(root / RELATIVE.drafter):
+    if recorded is None:
+        return None
+    found = path_digest(root / RELATIVE.drafter)
+    if recorded != found:
         return (
             f"{RELATIVE.drafter} is not the drafter the last training run wrote (its digest "
-            f"differs from the one in {details}); {rerun}"
+            f"begins {found[:SHOWN]}, the one {details} records begins {recorded[:SHOWN]}); "
+            f"{rerun}"
         )
     return None

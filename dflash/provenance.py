@@ -5,13 +5,15 @@ by hand does not: ``dflash plan --set data.source=other.jsonl`` after a tokenize
 that source would plan the old token store and train on it silently. So, like the drafter's
 digest in ``metrics/train_details.json`` (:mod:`dflash.freshness`), every stage records what
 it wrote: the params that decided it, its own and, transitively, those recorded for its
-inputs, beside a signature of the files it wrote (their sizes and modification times). A stage
-about to run compares each input's record with the params it is given, and a difference
-exits 2 naming the input, the param, both values and the command that remakes it.
+inputs, beside a signature of the files it wrote: their contents' digests, cached by inode,
+size and times in ``DIGESTS`` so that an unchanged file is not read again. A stage about to run
+compares each input's record with the params it is given, and a difference exits 2 naming the
+input, the param, both values and the command that remakes it.
 
-An input whose files no longer match its record (restored by ``dvc checkout``, an experiment
-applied, copied from elsewhere) or that has none proves nothing either way and passes, as
-the freshness check passes metrics without a digest.
+An input whose contents no longer match its record (another version restored by ``dvc
+checkout``, an experiment applied) or that has none proves nothing either way and passes, as
+the freshness check passes metrics without a digest. A copy of the same files (``cp -r``,
+``tar``, ``rsync``, times rounded or not) still matches: it is read again, never trusted.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from dflash.config import Config
 from dflash.declaration import declared_params, restrict, stages, unrestricted
 from dflash.errors import UserError
 from dflash.fileio import write_json_atomic
-from dflash.fingerprint import digest
+from dflash.fingerprint import DigestCache, digest
 from dflash.workspace import Workspace
+
+DIGESTS = "digests.json"
+"""Beside the records: the digests of the files they sign (:class:`DigestCache`)."""
 
 
 class StaleInput(UserError):
@@ -36,11 +41,13 @@ def check(stage: str, config: Config, workspace: Workspace) -> None:
     """Raise ``StaleInput`` when an input of ``stage`` was made from other params."""
     given = _flat(declared_params(unrestricted(config)))
     problems = []
+    cache = DigestCache(workspace.provenance / DIGESTS)
     for producer, output in _inputs(stage):
-        made = _valid_record(producer, workspace)
+        made = _valid_record(producer, workspace, cache)
         for key, value in (made or {}).items():
             if key in given and _plain(given[key]) != _plain(value):
                 problems.append((output, producer, key, value, given[key]))
+    cache.save()
     if problems:
         output, producer, key, value, now = problems[0]
         first = _first_declaring(key) or producer
@@ -55,22 +62,24 @@ def check(stage: str, config: Config, workspace: Workspace) -> None:
 def record(stage: str, config: Config, workspace: Workspace) -> None:
     """After ``stage`` wrote its outputs whole: what made them, and their signature."""
     made: dict[str, Any] = {}
+    cache = DigestCache(workspace.provenance / DIGESTS)
     for producer, _ in _inputs(stage):
-        made |= _valid_record(producer, workspace) or {}
+        made |= _valid_record(producer, workspace, cache) or {}
     declared = stages()[stage]
     made |= _flat(declared_params(restrict(unrestricted(config), declared.params)))
-    entry = {"params": made, "signature": _signature(workspace, declared.writes)}
+    entry = {"params": made, "signature": _signature(workspace, declared.writes, cache)}
     write_json_atomic(_record_path(workspace, stage), entry, sort_keys=True)
+    cache.save()
 
 
-def _valid_record(stage: str, workspace: Workspace) -> dict[str, Any] | None:
+def _valid_record(stage: str, workspace: Workspace, cache: DigestCache) -> dict[str, Any] | None:
     """The params recorded for ``stage``'s outputs, when the files are still the ones it wrote."""
     try:
         entry = json.loads(_record_path(workspace, stage).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(entry, dict) or entry.get("signature") != _signature(
-        workspace, stages()[stage].writes
+        workspace, stages()[stage].writes, cache
     ):
         return None
     params = entry.get("params")
@@ -99,15 +108,15 @@ def _first_declaring(key: str) -> str | None:
     return None
 
 
-def _signature(workspace: Workspace, paths: tuple[str, ...]) -> str:
+def _signature(workspace: Workspace, paths: tuple[str, ...], cache: DigestCache) -> str:
+    """The contents of the files under ``paths``, by name: what a record vouches for."""
     files = {}
     for relative in paths:
         path = workspace.root / relative
         found = sorted(path.rglob("*")) if path.is_dir() else [path]
         for file in found:
             if file.is_file():
-                stat = file.stat()
-                files[str(file.relative_to(workspace.root))] = [stat.st_size, stat.st_mtime_ns]
+                files[str(file.relative_to(workspace.root))] = cache.file(file)
     return digest(files)
 
 

@@ -33,8 +33,11 @@ def test_a_drafter_without_train_json_is_stale(tmp_path):
 
 def test_a_drafter_with_another_digest_is_stale_and_the_recorded_one_is_not(tmp_path):
     root = workspace(tmp_path, {"steps": 3, "drafter_sha256": "0" * 64})
-    assert "is not the drafter the last training run wrote" in stale_drafter(root)
     digest = path_digest(root / WS.drafter)
+    reason = stale_drafter(root)
+    assert "is not the drafter the last training run wrote" in reason
+    assert f"its digest begins {digest[:16]}" in reason  # both: the drafter's and the record's
+    assert f"the one metrics/train.json records begins {'0' * 16}" in reason
     (root / WS.train_metrics).write_text(json.dumps({"drafter_sha256": digest}))
     assert stale_drafter(root) is None
     (root / WS.train_metrics).write_text(json.dumps({"steps": 3}))  # before digests: passes

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -16,6 +19,7 @@ import pytest
 from conftest import checkpoint_written, run_stages, survivors
 
 from dflash import cli
+from dflash import fingerprint as fingerprints
 from dflash.declaration import COMMANDS, stages
 from dflash.fileio import SIGINT_EXIT
 from dflash.lock import workspace_lock
@@ -25,6 +29,7 @@ from dflash.stages import plan as plan_stage
 from dflash.stages import train as train_stage
 from dflash.stages.train import fingerprint
 from dflash.train import checkpoint
+from dflash.train.checkpoint import RunBusy
 from dflash.workspace import Workspace
 
 WS = Workspace()
@@ -56,17 +61,118 @@ def test_a_run_with_other_params_keeps_the_first_runs_checkpoints(tiny_workspace
     assert "resumed at epoch 1" in capsys.readouterr().out
 
 
+def old_runs(root: Path, *letters: str) -> list[Path]:
+    """A run directory per letter (its id that letter 16 times) with a checkpoint's digest,
+    the first the least recently written."""
+    made = []
+    for i, letter in enumerate(letters):
+        run = root / (letter * checkpoint.RUN_ID_CHARS)
+        run.mkdir(parents=True)
+        (run / "step_00000001.sha256").write_text("x")
+        os.utime(run / "step_00000001.sha256", (1000 + i, 1000 + i))
+        made.append(run)
+    return made
+
+
+@contextmanager
+def trained_elsewhere(run: Path) -> Iterator[int]:
+    """``run`` held by another live process, as a training run of another workspace that
+    shares the checkpoint directory holds it; that process's PID. It is then SIGKILLed."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: hold the run and wait to be killed
+        try:
+            os.close(read)
+            checkpoint.hold_run(run)
+            os.write(write, b"held")
+            signal.pause()
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 4) == b"held"
+        yield pid
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read)
+
+
 def test_runs_past_keep_runs_are_pruned_least_recently_written_first(tmp_path):
     root = tmp_path / "checkpoints"
-    for i, name in enumerate(["a" * 16, "b" * 16, "c" * 16]):
-        (root / name).mkdir(parents=True)
-        (root / name / "step_00000001.sha256").write_text("x")
-        os.utime(root / name / "step_00000001.sha256", (1000 + i, 1000 + i))
+    current, middle, newest = old_runs(root, "a", "b", "c")
     (root / "not-a-run").mkdir()
-    current = root / ("a" * 16)  # the oldest, but the one starting now: never pruned
-    removed = checkpoint.prune_runs(root, 2, current)
-    assert removed == [root / ("b" * 16)]
-    assert sorted(p.name for p in root.iterdir()) == ["a" * 16, "c" * 16, "not-a-run"]
+    # current: the oldest, but the one starting now: never pruned
+    assert checkpoint.prune_runs(root, 2, current) == [middle]
+    assert sorted(p.name for p in root.iterdir()) == [current.name, newest.name, "not-a-run"]
+
+
+def test_a_run_another_process_trains_in_a_shared_directory_is_never_pruned(tmp_path, caplog):
+    """Workspaces sharing ``train.checkpoint_dir`` have a lock each: the run's own lock is
+    what keeps one from removing the checkpoints of a run that another one is training."""
+    root = tmp_path / "shared"
+    busy, idle = old_runs(root, "b", "c")
+    with trained_elsewhere(busy) as pid:
+        try:
+            started = checkpoint.start_run(root, "e" * 64, {}, keep_runs=1)
+        finally:
+            checkpoint.release_runs()
+    assert set(checkpoint.run_directories(root)) == {started, busy} and not idle.exists()
+    assert sorted(p.name for p in busy.iterdir()) == ["run.lock", "step_00000001.sha256"]
+    said = f"kept the checkpoints of run {busy.name} past train.keep_runs: in use by PID {pid} on"
+    assert said in caplog.text
+    # Its process killed, the kernel freed the lock: the run is pruned like any other.
+    assert checkpoint.prune_runs(root, 1, started) == [busy]
+
+
+def test_a_run_another_process_trains_is_refused_and_one_this_process_holds_is_not(tmp_path):
+    (run,) = old_runs(tmp_path, "b")
+    with trained_elsewhere(run) as pid:
+        with pytest.raises(RunBusy, match=f"PID {pid} on .*train.checkpoint_dir"):
+            checkpoint.hold_run(run)
+    try:
+        checkpoint.hold_run(run)
+        checkpoint.hold_run(run)  # held already by this process: no refusal of itself
+        assert (run / checkpoint.RUN_LOCK).read_text().startswith(f"{os.getpid()} ")
+    finally:
+        checkpoint.release_runs()
+    assert checkpoint.remove_run(run) is None and not run.exists()
+
+
+def no_current_run(monkeypatch, tmp_path) -> None:
+    """A workspace of params only, whose current run ``dflash clean`` need not fingerprint
+    (hashing the train stage's code takes seconds)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(PARAMS)
+    monkeypatch.setattr("dflash.clean._current", lambda config, workspace: None)
+
+
+def test_clean_keeps_a_run_another_process_trains_and_says_so(tmp_path, monkeypatch, capsys):
+    no_current_run(monkeypatch, tmp_path)
+    shared = tmp_path / "shared"
+    busy, idle = old_runs(shared, "b", "c")
+    with trained_elsewhere(busy) as pid:
+        assert cli.main(["clean", "--all", f"--set=train.checkpoint_dir={shared}"]) == 0
+    out = capsys.readouterr().out
+    assert f"kept run {busy.name}: in use by PID {pid} on " in out
+    assert f"removed run {idle.name}" in out and f"1 run(s) under {shared}" in out
+    assert checkpoint.run_directories(shared) == [busy]
+
+
+def test_a_dangling_link_in_a_run_blocks_neither_a_start_nor_clean(tmp_path, monkeypatch, capsys):
+    no_current_run(monkeypatch, tmp_path)
+    root = tmp_path / WS.checkpoints
+    for run in old_runs(root, "b", "c"):
+        (run / "gone").symlink_to(tmp_path / "nowhere")
+    try:
+        checkpoint.start_run(root, "c" * 64, {}, keep_runs=3)  # lists every run, prunes none
+    finally:
+        checkpoint.release_runs()
+    assert cli.main(["clean", "--remove", "bbbb"]) == 0
+    out = capsys.readouterr().out
+    assert f"removed run {'b' * 16}" in out and "1 run(s) under" in out
+    assert cli.main(["clean", "--all"]) == 0
+    assert not any(root.iterdir())
 
 
 def test_colocated_and_decoupled_runs_share_their_checkpoints(tiny_workspace, monkeypatch):
@@ -84,6 +190,7 @@ def test_clean_lists_marks_and_removes_runs(tiny_workspace, monkeypatch, capsys)
     current = fingerprint(config)[: checkpoint.RUN_ID_CHARS]
     checkpoint.start_run(root, fingerprint(config), {"train": {"lr": 0.003}}, 3)
     checkpoint.start_run(root, "f" * 64, {"batching": {"strategy": "packed"}}, 3)
+    checkpoint.release_runs()  # as a run does when it ends
     sets = [f"--set={o}" for o in ONE_PROCESS]
     assert cli.main(["clean", *sets]) == 0
     out = capsys.readouterr().out
@@ -241,18 +348,63 @@ def test_a_stage_run_by_hand_refuses_inputs_made_from_another_source(tiny_worksp
         with pytest.raises(StaleInput, match="data.source") as err:
             cli.run_stage(stage, load_config("params.yaml", other))
         assert "`dflash ingest`" in str(err.value)
-    with pytest.raises(StaleInput, match=r"data/plans was made with batching.token_budget"):
+        assert "made with data.source = 'data/raw/corpus.jsonl'" in str(err.value)
+        assert "this run has data.source = 'data/raw/other.jsonl'" in str(err.value)
+    with pytest.raises(StaleInput, match=r"data/plans was made with batching.token_budget") as err:
         cli.run_stage("train", load_config("params.yaml", ["batching.token_budget=512"]))
+    assert "token_budget = 384, but this run has batching.token_budget = 512" in str(err.value)
     cli.run_stage("stats", load_config("params.yaml"))  # the params it was made with pass
 
 
-def test_an_input_whose_files_changed_since_its_record_proves_nothing(tiny_workspace, monkeypatch):
-    """Restored by ``dvc checkout`` or copied in, an output's record no longer describes it."""
+OTHER_SOURCE = ["data.source=data/raw/other.jsonl"]
+"""A source the tiny workspace's token store was not made from."""
+
+
+def test_an_input_whose_contents_changed_since_its_record_proves_nothing(
+    tiny_workspace, monkeypatch
+):
+    """Rewritten in place, even at its old size and modification time, an output's record no
+    longer describes it: the stage is not refused, and records nothing of that input."""
     monkeypatch.chdir(tiny_workspace)
-    index = tiny_workspace / WS.tokenized / "index.parquet"
-    os.utime(index, ns=(index.stat().st_atime_ns, index.stat().st_mtime_ns + 1))
-    other = ["data.source=data/raw/other.jsonl"]
-    cli.run_stage("stats", load_config("params.yaml", other))
+    other = load_config("params.yaml", OTHER_SOURCE)
+    with pytest.raises(StaleInput):
+        cli.run_stage("stats", other)  # the record holds, and its digests are cached
+    tokens = WS.tokenized / "tokens.bin"
+    before = tokens.stat()
+    data = bytearray(tokens.read_bytes())
+    data[0] ^= 1
+    tokens.write_bytes(bytes(data))
+    os.utime(tokens, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = tokens.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    written = (WS.provenance / "stats.json").stat().st_mtime_ns
+    assert cli.run_stage("stats", other) == 0
+    record = json.loads((WS.provenance / "stats.json").read_text())
+    assert (WS.provenance / "stats.json").stat().st_mtime_ns > written
+    assert "data.source" not in record["params"] and "batching.token_budget" in record["params"]
+
+
+def test_a_copy_that_rounds_file_times_is_read_again_and_still_refused(tiny_workspace, monkeypatch):
+    """``cp -r``, ``tar``, ``rsync`` and ``dvc checkout`` may drop sub-second times: the copy is
+    hashed again, its record still holds, and an unchanged file is not read twice."""
+    monkeypatch.chdir(tiny_workspace)
+    shutil.copytree(WS.tokenized, "copied")
+    shutil.rmtree(WS.tokenized)
+    Path("copied").rename(WS.tokenized)
+    for file in WS.tokenized.rglob("*"):
+        whole = file.stat().st_mtime_ns // 10**9 * 10**9
+        os.utime(file, ns=(whole, whole))
+    real, read = fingerprints.sha256_file, []
+    monkeypatch.setattr(fingerprints, "sha256_file", lambda path: read.append(path) or real(path))
+    other = load_config("params.yaml", OTHER_SOURCE)
+    for again in (False, True):
+        read.clear()
+        with pytest.raises(StaleInput, match="data.source") as err:
+            cli.run_stage("stats", other)
+        message = str(err.value)
+        assert "data.source = 'data/raw/corpus.jsonl'" in message
+        assert "data.source = 'data/raw/other.jsonl'" in message
+        assert bool(read) != again, read  # hashed once, then known by inode, size and times
 
 
 def test_clean_options_are_exclusive():
