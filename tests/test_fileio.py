@@ -5,12 +5,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
 from dflash.fileio import (
     atomic_dir,
     atomic_path,
+    recover_dir,
     reset_dir,
     sha256_file,
     write_json_atomic,
@@ -88,3 +92,46 @@ def test_outputs_get_the_mode_the_umask_gives(tmp_path, mask):
         "dir/sub/weights": 0o666 & ~mask,
         "dir/run.sh": 0o777 & ~mask,
     }
+
+
+KILLED_BETWEEN_RENAMES = """
+import os, signal, sys
+from dflash.fileio import atomic_dir
+
+rename = os.rename
+
+
+def rename_then_die(*args, **kwargs):
+    rename(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.rename = rename_then_die
+with atomic_dir(sys.argv[1]) as tmp:
+    (tmp / "a.txt").write_text("new")
+"""
+"""Replaces ``sys.argv[1]`` whole and is SIGKILLed right after the first rename: the old
+directory moved to ``.old``, the new one not yet in its place."""
+
+
+def test_a_kill_between_the_renames_of_a_swap_loses_neither_output(tmp_path):
+    out = tmp_path / "out"
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("old")
+    child = subprocess.run([sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(out)])
+    assert child.returncode == -signal.SIGKILL
+    assert not out.exists() and (tmp_path / "out.old" / "a.txt").read_text() == "old"
+
+    # The next write puts the old output back first: a failure leaves it whole.
+    with pytest.raises(RuntimeError), atomic_dir(out) as tmp:
+        raise RuntimeError("killed again, while filling")
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"a.txt": "old"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+    child = subprocess.run([sys.executable, "-c", KILLED_BETWEEN_RENAMES, str(out)])
+    assert child.returncode == -signal.SIGKILL and recover_dir(out)
+    assert (out / "a.txt").read_text() == "old" and not recover_dir(out)
+    with atomic_dir(out) as tmp:
+        (tmp / "a.txt").write_text("new")
+    assert (out / "a.txt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -62,15 +62,30 @@ def test_target_is_replaced_whole(tiny_workspace, monkeypatch):
 
 
 def test_evaluate_leaves_no_old_metrics_beside_new_rows(tiny_workspace, monkeypatch):
+    """Killed after its rows and before its metrics, evaluate leaves its new rows whole and no
+    metrics of an older run beside them: neither the headline nor the details."""
     monkeypatch.chdir(tiny_workspace)
-    WS.eval_metrics.parent.mkdir(parents=True, exist_ok=True)
-    WS.eval_metrics.write_text('{"acceptance_length": 9.9}\n')
+    old = {
+        WS.eval_metrics: '{"acceptance_length": 9.9}\n',
+        WS.eval_details: '{"acceptance_length": 9.9}\n',
+        WS.eval_acceptance: "position,acceptance\n1,0.999\n",
+        WS.eval_prompts: "old\n",
+    }
+    for path, text in old.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
     one = ["train.world_size=1", "train.epochs=1"]
     run_stages(tiny_workspace, ["plan", "train"], one)
     kill_on_call(monkeypatch, "dflash.stages.evaluate.write_json_atomic")  # metrics come last
     with pytest.raises(Killed):
         run_stages(tiny_workspace, ["evaluate"], one)
-    assert not WS.eval_metrics.exists()
+    assert not WS.eval_metrics.exists() and not WS.eval_details.exists()
+    header, *rows = WS.eval_acceptance.read_text().splitlines()
+    assert header == "position,acceptance" and rows != ["1,0.999"]  # this run's rows
+    positions = [int(row.split(",")[0]) for row in rows]
+    assert positions == list(range(1, len(rows) + 1))
+    assert all(0 <= float(row.split(",")[1]) <= 1 for row in rows)
+    assert WS.eval_prompts.read_text() != old[WS.eval_prompts] and WS.eval_strata.exists()
 
 
 def lengths_file(tmp_path):
