@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from hold import Hold
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import run_stage
@@ -266,6 +267,12 @@ def checkpoint_written(workspace: Path, step: int) -> bool:
     """Whether checkpoint ``step`` of a run in ``workspace`` is complete (its digest written)."""
     name = CHECKPOINT_NAME.format(step=step) + ".sha256"
     return any((workspace / "checkpoints").glob(f"*/{name}"))
+
+
+@pytest.fixture
+def hold(tmp_path) -> Hold:
+    """Holds a run this test starts after a checkpoint, so a kill lands mid-run (tests/hold.py)."""
+    return Hold(tmp_path / "hold")
 
 
 def gloo_rank(rank: int, world_size: int, port: int) -> Dist:
