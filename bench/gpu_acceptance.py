@@ -8,7 +8,8 @@ check fails. The kernel checks run in this process; the pipeline checks build a 
 in a temporary directory and train it under ``torchrun --nproc_per_node 1``: DDP with
 checkpoints, FSDP against DDP, SIGKILL and resume, then ``evaluate``. Twelve steps of varied
 shapes count host reads per micro-batch and report memory and MFU on the device. ``make test`` runs
-``--smoke``, so the script cannot rot on machines without a GPU. ``--engine-url URL
+``--smoke``, so the script cannot rot on machines without a GPU; it reports times there and
+gates none. ``--engine-url URL
 --engine-target DIR`` also compares a vLLM ``extract_hidden_states`` server's features with
 colocated ones (docs/engines.md).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import shutil
@@ -87,12 +89,13 @@ def pipeline_params(smoke: bool) -> dict:
     }  # fmt: skip
 
 
-def stage(workspace: Path, name: str, *overrides: str, torchrun: bool = False, **popen):
-    """``dflash NAME`` in the workspace, or one ``torchrun`` rank of it; returns the process."""
+def stage(workspace: Path, name: str, *overrides: str, torchrun: bool = False, env=None, **popen):
+    """``dflash NAME`` in the workspace, or one ``torchrun`` rank of it, in ``env`` (this
+    process's environment by default); returns the process."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     cmd = [sys.executable, *(launcher if torchrun else []), "-m", "dflash.cli", name]
     cmd += [f"--set={o}" for o in overrides]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, cwd=workspace, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             **popen)  # fmt: skip
@@ -134,17 +137,19 @@ def train_copy(base: Path, name: str, *overrides: str) -> Path:
 
 
 def kill_after_checkpoint(workspace: Path, step: int) -> bool:
-    """Start training, SIGKILL the whole process group once checkpoint ``step`` is complete."""
-    proc = stage(workspace, "train", torchrun=True)
-    marker = f"*/step_{step:08d}.sha256"  # in the run's own directory
-    deadline = time.time() + 600
-    while (
-        proc.poll() is None
-        and time.time() < deadline
-        and not any((workspace / "checkpoints").glob(marker))
-    ):
-        time.sleep(0.01)
-    killed = proc.poll() is None
+    """Start training, SIGKILL the whole process group while its rank holds after checkpoint
+    ``step`` (``tests/hold.py``), so the kill lands mid-run however fast the device; whether
+    it did."""
+    spec = importlib.util.spec_from_file_location("hold", REPO / "tests" / "hold.py")
+    hold_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hold_module)
+    hold = hold_module.Hold(workspace.with_name(workspace.name + "-hold"))
+    proc = stage(workspace, "train", torchrun=True, env=hold.env(step))
+    try:
+        hold.wait(proc, timeout=600)
+        killed = True
+    except AssertionError:  # the run ended, or never got there: no kill to resume from
+        killed = False
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate()
     return killed
@@ -219,9 +224,12 @@ def kernel_checks(smoke: bool) -> list[Check]:
         mask = cuda_measure(flex_block_mask, *(t.cuda() for t in shape), 16)
     else:
         mask = measure(flex_block_mask, *shape, 16, repeats=3)
+    ms = mask["ms"]
+    # --smoke reports the time and gates nothing on it: a shared CPU's time is no kernel's.
+    build = Check("mask_build_ms", ms, *(("reported", True) if smoke else ("<= 50", ms <= 50)))
     checks = [
         Check("mask_extra_peak_mib", mask["extra_peak_mib"], "<= 64", mask["extra_peak_mib"] <= 64),
-        Check("mask_build_ms", mask["ms"], "<= 50", mask["ms"] <= 50),
+        build,
     ]
     if not torch.cuda.is_available():
         return checks
