@@ -168,6 +168,8 @@ def test_a_dangling_link_in_a_run_blocks_neither_a_start_nor_clean(tmp_path, mon
         checkpoint.start_run(root, "c" * 64, {}, keep_runs=3)  # lists every run, prunes none
     finally:
         checkpoint.release_runs()
+    # Dated by the link's own time, the run just started is the most recently written.
+    assert [run.name for run in runs(tmp_path)] == ["c" * 16, "b" * 16]
     assert cli.main(["clean", "--remove", "bbbb"]) == 0
     out = capsys.readouterr().out
     assert f"removed run {'b' * 16}" in out and "1 run(s) under" in out
