@@ -147,6 +147,33 @@ def no_current_run(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr("dflash.clean._current", lambda config, workspace: None)
 
 
+def test_a_killed_trainer_frees_its_run_while_its_forked_workers_live_on(tmp_path):
+    """Loader workers are forked from the training process and outlive it for a moment: the
+    run's lock is the trainer's alone, freed the moment it dies."""
+    (run,) = old_runs(tmp_path, "b")
+    read, write = os.pipe()
+    trainer = os.fork()
+    if trainer == 0:
+        try:
+            checkpoint.hold_run(run)
+            if os.fork() == 0:  # the worker
+                os.write(write, f"{os.getpid():>16}".encode())
+            signal.pause()
+        finally:
+            os._exit(0)
+    os.close(write)
+    worker = int(os.read(read, 16))
+    try:
+        assert checkpoint.remove_run(run).startswith(f"in use by PID {trainer} on ")
+        os.kill(trainer, signal.SIGKILL)
+        os.waitpid(trainer, 0)
+        os.kill(worker, 0)  # alive, and holding the trainer's descriptors
+        assert checkpoint.remove_run(run) is None and not run.exists()
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        os.close(read)
+
+
 def test_clean_keeps_a_run_another_process_trains_and_says_so(tmp_path, monkeypatch, capsys):
     no_current_run(monkeypatch, tmp_path)
     shared = tmp_path / "shared"

@@ -17,6 +17,7 @@ Checkpoints hold tensors and plain types only and are read without running pickl
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -57,10 +58,11 @@ HEX = frozenset("0123456789abcdef")
 
 
 RUN_LOCK = "run.lock"
-"""In a run's directory: ``flock``-ed by the process training the run for its whole life (the
-kernel drops it however that process dies), and briefly by one removing the run. A checkpoint
-root that workspaces share (``train.checkpoint_dir``) is beyond each workspace's lock: this
-one keeps ``prune_runs`` and ``dflash clean`` off a run that another workspace is training."""
+"""In a run's directory: locked by the process training the run for its whole life, and briefly
+by one removing the run. A checkpoint root that workspaces share (``train.checkpoint_dir``) is
+beyond each workspace's lock: this one keeps ``prune_runs`` and ``dflash clean`` off a run that
+another workspace is training. A POSIX record lock (``lockf``), not ``flock``: forked loader
+workers do not inherit it, so the kernel drops it the moment the training process dies."""
 REMOVING = "removing"
 """What a process removing a run writes in its lock: a start of that run waits for it."""
 
@@ -106,7 +108,15 @@ def hold_run(run: Path) -> None:
     while True:
         run.mkdir(parents=True, exist_ok=True)
         fd = _open_lock(run)
-        holder = _try_lock(fd)
+        try:
+            holder = _try_lock(fd)
+        except OSError as err:  # a file system without locks: train unguarded, and say so
+            os.close(fd)
+            logger.warning(
+                f"{run / RUN_LOCK} cannot be locked ({err.strerror}): another "
+                "workspace sharing train.checkpoint_dir could prune this run"
+            )
+            return
         if holder is not None and not holder.endswith(REMOVING):
             os.close(fd)
             raise RunBusy(
@@ -115,7 +125,7 @@ def hold_run(run: Path) -> None:
                 "train.checkpoint_dir"
             )
         if holder is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # the remover ends soon: the directory is then gone
+            fcntl.lockf(fd, fcntl.LOCK_EX)  # the remover ends soon: the directory is then gone
         if _still_there(fd, run):
             break
         os.close(fd)
@@ -124,11 +134,10 @@ def hold_run(run: Path) -> None:
 
 
 def release_runs() -> None:
-    """Unlock every run this process holds (forked loader workers share the lock: unlocked,
-    not only closed)."""
+    """Unlock every run this process holds."""
     while _held:
         _, fd = _held.popitem()
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        fcntl.lockf(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
@@ -147,7 +156,7 @@ def remove_run(run: Path) -> str | None:
         _stamp(fd, REMOVING)
         shutil.rmtree(run)
     except OSError as err:
-        return f"not removed whole ({err.strerror}: {err.filename})"
+        return f"not removed whole ({err.strerror}{f': {err.filename}' if err.filename else ''})"
     finally:
         os.close(fd)
     return None
@@ -160,8 +169,10 @@ def _open_lock(run: Path) -> int:
 def _try_lock(fd: int) -> str | None:
     """None when this process now holds the lock of ``fd``, else what its holder wrote."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EAGAIN):
+            raise
         return os.pread(fd, 256, 0).decode(errors="replace").strip()
     return None
 
