@@ -61,6 +61,29 @@ def test_a_checkpoint_for_another_target_exits_2_before_training(
     assert not list((tiny_workspace / "checkpoints").glob("**/step_*"))
 
 
+def test_a_checkpoint_with_a_nan_weight_exits_2_naming_it(tiny_workspace, monkeypatch, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from dflash.model.load import load_target
+
+    target = load_target(tiny_workspace / "models/target")
+    drafter = DFlashDrafter.from_target(
+        target, block_size=4, num_hidden_layers=1, num_target_features=2, mask_token_id=3
+    )
+    init = tiny_workspace / "models/init/diverged"
+    export_drafter(drafter, init, target.config, torch.float32)
+    weights = load_file(init / "model.safetensors")
+    weights["fc.weight"][0, 0] = float("nan")
+    save_file(weights, init / "model.safetensors")
+    monkeypatch.chdir(tiny_workspace)
+    capsys.readouterr()  # the target's loading bar
+    assert cli.main(["train", "--set", "drafter.init_from=models/init/diverged"]) == 2
+    err = capsys.readouterr().err
+    assert "weight fc.weight in models/init/diverged/model.safetensors holds 1 NaN" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tiny_workspace / "models/drafter").exists()
+
+
 def test_another_checkpoint_never_resumes_this_ones_training(tiny_workspace, monkeypatch):
     from dflash.params import load_config
     from dflash.stages.train import fingerprint

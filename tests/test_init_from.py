@@ -4,6 +4,7 @@ exports load exactly, are checked against the params and the target, and export 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -268,3 +269,94 @@ def test_report_says_where_each_value_came_from():
     text = " ".join(line.strip() for line in lines)
     assert text.startswith("drafter from models/init/zlab (z-lab): block_size 4 (params =")
     assert "num_hidden_layers 2 (checkpoint)" in text and all(len(x) <= 80 for x in lines)
+
+
+def weights_of(model: nn.Module, **changes: float) -> dict[str, torch.Tensor]:
+    """``model``'s weights with the first value of each named one replaced."""
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    for name, value in changes.items():
+        weights[name.replace("__", ".")].view(-1)[0] = value
+    return weights
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_weight_that_is_not_finite_is_refused_by_name(reference, tmp_path, bad):
+    source = write_zlab(tmp_path / "zlab", reference)
+    save_file(weights_of(reference, fc__weight=bad), source / "model.safetensors")
+    d = DrafterConfig(init_from=str(source), block_size=BLOCK, num_hidden_layers=None,
+                      num_target_features=None)  # fmt: skip
+    named = f"weight fc.weight in {source / 'model.safetensors'} holds 1 NaN or infinite value"
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        checked_checkpoint(d, source, TARGET)
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        checkpoint_weights(read_checkpoint(source))
+
+
+def test_a_cut_short_weights_file_or_a_config_that_is_no_object_is_refused_naming_it(
+    reference, tmp_path
+):
+    d = DrafterConfig(init_from="x", block_size=BLOCK, num_hidden_layers=None,
+                      num_target_features=None)  # fmt: skip
+    source = write_zlab(tmp_path / "cut", reference)
+    whole = (source / "model.safetensors").read_bytes()
+    (source / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ConfigError, match=re.escape(f"{source / 'model.safetensors'} is no read")):
+        checked_checkpoint(d, source, TARGET)
+    (source / "model.safetensors").unlink()
+    (source / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ConfigError, match="model.safetensors.index.json is no safetensors index"):
+        checked_checkpoint(d, source, TARGET)
+    for text, kind in (("[1, 2]", "an array"), ('"zlab"', "a string"), ("null", "null")):
+        (source / "config.json").write_text(text)
+        with pytest.raises(ConfigError, match=f"config.json holds {kind}, not the JSON object"):
+            read_checkpoint(source)
+    (source / "config.json").write_text(json.dumps({**LAYERS, "dflash_config": [1]}))
+    with pytest.raises(ConfigError, match=re.escape("config.json has dflash_config = [1], not an")):
+        read_checkpoint(source)
+
+
+def write_block(directory: Path, model: nn.Module, fmt: str, key: str, value) -> Path:
+    """A checkpoint of ``fmt`` whose block size, under ``key``, is ``value``."""
+    source = (write_zlab if fmt == "z-lab" else write_speculators)(directory, model)
+    config = json.loads((source / "config.json").read_text())
+    config.get("dflash_config", {}).pop("block_size", None)
+    config.pop("block_size", None)
+    inner = key.startswith("dflash_config.")
+    (config["dflash_config"] if inner else config)[key.split(".")[-1]] = value
+    (source / "config.json").write_text(json.dumps(config))
+    return source
+
+
+@pytest.mark.parametrize(
+    ("fmt", "key", "value"),
+    [
+        ("speculators", "block_size", 0),
+        ("speculators", "block_size", -4),
+        ("speculators", "block_size", 1),
+        ("z-lab", "block_size", 0),
+        ("z-lab", "dflash_config.block_size", 0),
+        ("z-lab", "block_size", -4),
+        ("z-lab", "dflash_config.block_size", True),
+        ("z-lab", "block_size", "8"),
+    ],
+)
+def test_a_block_size_below_two_or_not_a_whole_number_is_refused(
+    reference, tmp_path, fmt, key, value
+):
+    source = write_block(tmp_path / "ckpt", reference, fmt, key, value)
+    with pytest.raises(ConfigError) as err:
+        read_checkpoint(source)
+    assert str(err.value) == (
+        f"drafter.init_from = {str(source)!r} ({fmt}): config.json has {key} = {value!r}, which "
+        "is invalid: a block is the anchor and at least one drafted token, a whole number >= 2"
+    )
+
+
+def test_a_speculators_file_without_a_block_size_gets_speculators_default(reference, tmp_path):
+    source = write_speculators(tmp_path / "spec", reference)
+    config = json.loads((source / "config.json").read_text())
+    del config["block_size"]
+    (source / "config.json").write_text(json.dumps(config))
+    assert read_checkpoint(source).block_size == 8
+    zlab = write_block(tmp_path / "zlab", reference, "z-lab", "dflash_config.block_size", 6)
+    assert read_checkpoint(zlab).block_size == 6

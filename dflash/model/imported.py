@@ -16,15 +16,19 @@ import is exact or it is an error.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from annotated_types import Ge
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from transformers import AutoConfig
 
+from dflash.config import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.model import hf_files, remote
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
@@ -36,6 +40,12 @@ SPECULATORS_TYPE = "dflash"
 """``speculators_model_type`` of a speculators DFlash checkpoint."""
 SPECULATORS_DEFAULT_BLOCK = 8
 """The block size speculators' config assumes when its file names none."""
+MIN_BLOCK = next(m.ge for m in DrafterConfig.model_fields["block_size"].metadata
+                 if isinstance(m, Ge))  # fmt: skip
+"""The smallest block a drafter trains with (``drafter.block_size``'s bound): the anchor and
+at least one drafted token."""
+JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+              bool: "a boolean", type(None): "null"}  # fmt: skip
 TARGET_OWNED = frozenset(
     {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
 )
@@ -86,6 +96,9 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         data = json.loads((path / hf_files.CONFIG).read_text())
     except (OSError, ValueError) as err:
         raise ConfigError(f"{where}: unreadable {hf_files.CONFIG} ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {hf_files.CONFIG} holds {JSON_KINDS[type(data)]}, not the "
+                          "JSON object of a model config")  # fmt: skip
     if data.get("speculators_model_type") is not None:
         return _speculators(path, data)
     if "dflash_config" in data:
@@ -94,6 +107,33 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         f"{where}: {hf_files.CONFIG} is neither z-lab's (dflash_config) nor speculators' "
         "(speculators_model_type: dflash) DFlash format"
     )
+
+
+def _object(where: str, data: dict, key: str) -> dict:
+    """``data[key]``, a JSON object (absent or null: an empty one)."""
+    value = data.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{where}: {hf_files.CONFIG} has {key} = {value!r}, not an object")
+    return value or {}
+
+
+BLOCK_WHY = "a block is the anchor and at least one drafted token, "
+
+
+def _whole(where: str, key: str, value: Any, least: int = 0, why: str = "") -> int:
+    """``value`` of ``key``, refused unless a whole number of at least ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ConfigError(f"{where}: {hf_files.CONFIG} has {key} = {value!r}, which is invalid: "
+                          f"{why}a whole number >= {least}")  # fmt: skip
+    return value
+
+
+def _ids(where: str, key: str, value: Any) -> list[int]:
+    """``value`` of ``key`` as layer ids: a non-empty list of whole numbers."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{where}: {hf_files.CONFIG} has {key} = {value!r}, which is invalid: "
+                          "a non-empty list of layer ids")  # fmt: skip
+    return [_whole(where, key, i) for i in value]
 
 
 def _layers(path: Path, fmt: str, raw: dict) -> dict[str, Any]:
@@ -134,22 +174,26 @@ def _layers(path: Path, fmt: str, raw: dict) -> dict[str, Any]:
 
 
 def _zlab(path: Path, data: dict) -> Checkpoint:
-    dflash = data["dflash_config"] or {}
-    block = data.get("block_size") or dflash.get("block_size")
     where = f"{KEY} = {str(path)!r} (z-lab)"
+    dflash = _object(where, data, "dflash_config")
+    key = "block_size" if data.get("block_size") is not None else "dflash_config.block_size"
+    block = data["block_size"] if key == "block_size" else dflash.get("block_size")
     if block is None or dflash.get("mask_token_id") is None:
         missing = "block_size" if block is None else "dflash_config.mask_token_id"
         raise ConfigError(f"{where}: {hf_files.CONFIG} has no {missing}")
+    block = _whole(where, key, block, MIN_BLOCK, BLOCK_WHY)
+    mask = _whole(where, "dflash_config.mask_token_id", dflash["mask_token_id"])
     layers = _layers(path, "z-lab", data)
     depth = data.get("num_target_layers")
+    depth = None if depth is None else _whole(where, "num_target_layers", depth, 1)
     ids = dflash.get("target_layer_ids")
     if ids is None and depth is None:
         raise ConfigError(f"{where}: names neither dflash_config.target_layer_ids nor "
                           "num_target_layers to derive them from")  # fmt: skip
     if ids is None:  # z-lab's reference spreads one tapped layer per drafter layer
         ids = spread_layer_ids(depth, layers["num_hidden_layers"])
-    return Checkpoint(path, "z-lab", layers, int(block), [int(i) for i in ids],
-                      int(dflash["mask_token_id"]), dflash.get("mask_token"), depth)  # fmt: skip
+    ids = _ids(where, "dflash_config.target_layer_ids", ids)
+    return Checkpoint(path, "z-lab", layers, block, ids, mask, dflash.get("mask_token"), depth)
 
 
 def _speculators(path: Path, data: dict) -> Checkpoint:
@@ -157,7 +201,7 @@ def _speculators(path: Path, data: dict) -> Checkpoint:
     kind = data.get("speculators_model_type")
     if kind != SPECULATORS_TYPE:
         raise ConfigError(f"{where}: speculators_model_type = {kind!r}, not {SPECULATORS_TYPE!r}")
-    layers = _layers(path, "speculators", data.get("transformer_layer_config") or {})
+    layers = _layers(path, "speculators", _object(where, data, "transformer_layer_config"))
     variants = {
         "projector_type": (data.get("projector_type", "dflash"), "dflash"),
         "sample_from_anchor": (bool(data.get("sample_from_anchor")), False),
@@ -172,15 +216,19 @@ def _speculators(path: Path, data: dict) -> Checkpoint:
                 "(the target's whole vocabulary, no shift)"
             )
     aux, mask = data.get("aux_hidden_state_layer_ids"), data.get("mask_token_id")
-    if not aux or mask is None:
-        missing = "aux_hidden_state_layer_ids" if not aux else "mask_token_id"
+    if aux is None or mask is None:
+        missing = "aux_hidden_state_layer_ids" if aux is None else "mask_token_id"
         raise ConfigError(f"{where}: {hf_files.CONFIG} has no {missing}")
+    aux, mask = _ids(where, "aux_hidden_state_layer_ids", aux), _whole(where, "mask_token_id", mask)
     if min(aux) < 1:
         raise ConfigError(f"{where}: aux_hidden_state_layer_ids {aux} tap the embedding (id 0), "
                           "which a DFlash drafter never fuses")  # fmt: skip
-    block = int(data.get("block_size") or SPECULATORS_DEFAULT_BLOCK)
-    ids = [int(a) - 1 for a in aux]  # counted from the embedding, as vLLM counts
-    return Checkpoint(path, "speculators", layers, block, ids, int(mask), None, None)
+    block = data.get("block_size")
+    if block is None:
+        block = SPECULATORS_DEFAULT_BLOCK
+    block = _whole(where, "block_size", block, MIN_BLOCK, BLOCK_WHY)
+    ids = [a - 1 for a in aux]  # counted from the embedding, as vLLM counts
+    return Checkpoint(path, "speculators", layers, block, ids, mask, None, None)
 
 
 def weight_files(checkpoint: Checkpoint) -> list[Path]:
@@ -188,21 +236,38 @@ def weight_files(checkpoint: Checkpoint) -> list[Path]:
     single, index = checkpoint.path / hf_files.WEIGHTS, checkpoint.path / hf_files.WEIGHTS_INDEX
     if single.is_file():
         return [single]
-    if index.is_file():
+    if not index.is_file():
+        raise checkpoint.fail(f"no {hf_files.WEIGHTS} or {hf_files.WEIGHTS_INDEX} there")
+    try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [checkpoint.path / name for name in names]
-    raise checkpoint.fail(f"no {hf_files.WEIGHTS} or {hf_files.WEIGHTS_INDEX} there")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise checkpoint.fail(
+            f"{index} is no safetensors index (a JSON object whose weight_map maps each weight "
+            f"to its file): {type(err).__name__} {err}"
+        ) from None
+    return [checkpoint.path / name for name in names]
 
 
 def _drafter_name(name: str) -> bool:
     return name not in TARGET_OWNED and name not in VOCAB_MAPS
 
 
+@contextmanager
+def _opened(checkpoint: Checkpoint, file: Path) -> Iterator[Any]:
+    """``file`` opened with ``safe_open``; one that is missing, cut short or no safetensors
+    file at all is the checkpoint's error, naming it."""
+    try:
+        with safe_open(str(file), "pt") as f:
+            yield f
+    except (SafetensorError, OSError) as err:
+        raise checkpoint.fail(f"{file} is no readable safetensors file ({err})") from None
+
+
 def check_weights(checkpoint: Checkpoint, depth: int) -> None:
     """Every drafter weight present with its shape, and no other (reads headers only)."""
     shapes = {}
     for file in weight_files(checkpoint):
-        with safe_open(str(file), "pt") as f:
+        with _opened(checkpoint, file) as f:
             shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if _drafter_name(k)}
     with torch.device("meta"):
         model = remote.DFlashDraftModel(checkpoint.drafter_config(depth, None))
@@ -216,10 +281,28 @@ def check_weights(checkpoint: Checkpoint, depth: int) -> None:
             raise checkpoint.fail(f"its weights do not fit its {hf_files.CONFIG}: {what} {shown}")
 
 
-def checkpoint_weights(checkpoint: Checkpoint) -> dict[str, Tensor]:
-    """The drafter's own weights, as stored (the target's copies, if any, are left out)."""
-    weights = {}
+def _tensors(checkpoint: Checkpoint) -> Iterator[tuple[str, Tensor]]:
+    """The drafter's own weights one by one, as stored; a weight holding a NaN or an infinity
+    is refused by name: training from it would only spread it, and an export would ship it."""
     for file in weight_files(checkpoint):
-        with safe_open(str(file), "pt") as f:
-            weights |= {k: f.get_tensor(k) for k in f.keys() if _drafter_name(k)}
-    return weights
+        with _opened(checkpoint, file) as f:
+            for name in (k for k in f.keys() if _drafter_name(k)):
+                tensor = f.get_tensor(name)
+                bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
+                if bad:
+                    raise checkpoint.fail(
+                        f"weight {name} in {file} holds {bad} NaN or infinite value(s) of "
+                        f"{tensor.numel()}: the checkpoint is corrupt or its training diverged"
+                    )
+                yield name, tensor
+
+
+def check_finite(checkpoint: Checkpoint) -> None:
+    """Every drafter weight finite (read one at a time, none kept)."""
+    for _ in _tensors(checkpoint):
+        pass
+
+
+def checkpoint_weights(checkpoint: Checkpoint) -> dict[str, Tensor]:
+    """The drafter's own weights, as stored and finite (the target's copies are left out)."""
+    return dict(_tensors(checkpoint))

@@ -18,7 +18,13 @@ from torch import nn
 from dflash.config import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.imported import Checkpoint, check_weights, checkpoint_weights, read_checkpoint
+from dflash.model.imported import (
+    Checkpoint,
+    check_finite,
+    check_weights,
+    checkpoint_weights,
+    read_checkpoint,
+)
 from dflash.model.layer_ids import target_layer_ids
 
 
@@ -96,10 +102,10 @@ def target_shape(target_config: Any, tokenizer: Any) -> TargetShape:
 
 
 def checked_checkpoint(
-    d: DrafterConfig, path: Path | None, target: TargetShape
+    d: DrafterConfig, path: Path | None, target: TargetShape, values: bool = True
 ) -> tuple[Checkpoint | None, dict[str, str]]:
     """The checkpoint at ``path`` (None from scratch), checked against the params and the target,
-    and each param's provenance."""
+    and each param's provenance; with ``values``, every weight read and found finite too."""
     if path is None:
         return None, provenance(d, None)
     if not path.is_dir():
@@ -108,6 +114,8 @@ def checked_checkpoint(
     sources = provenance(d, checkpoint)
     check_target(checkpoint, target)
     check_weights(checkpoint, target.depth)
+    if values:
+        check_finite(checkpoint)
     return checkpoint, sources
 
 
@@ -117,7 +125,7 @@ def build_drafter(
     """The drafter training starts from: ``init``'s weights as stored, or a seeded random one;
     and where its geometry came from (``provenance``, plus ``init_from``)."""
     shape = target_shape(target.config, tokenizer)
-    checkpoint, sources = checked_checkpoint(d, init, shape)
+    checkpoint, sources = checked_checkpoint(d, init, shape, values=False)  # read just below
     if checkpoint is None:
         drafter = DFlashDrafter.from_target(
             target, block_size=d.block_size, num_hidden_layers=d.num_hidden_layers,
