@@ -9,6 +9,7 @@ epoch, and the same whatever the world size or the point a run resumed from.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
@@ -226,10 +227,10 @@ def make_loader(
 ):
     """A DataLoader that prepares whole steps ahead of compute in background workers.
 
-    The workers persist from one epoch to the next (forking a pool per epoch costs a copy of
-    the process each time). An exception in a worker is re-raised in the training process by
-    the DataLoader, so the run stops with it (and ``torchrun`` stops the other ranks) instead
-    of waiting forever.
+    The workers persist from one epoch to the next (starting a pool per epoch costs a process
+    each time), and start from a fork server (:func:`worker_context`). An exception in a worker
+    is re-raised in the training process by the DataLoader, so the run stops with it (and
+    ``torchrun`` stops the other ranks) instead of waiting forever.
     """
     return torch.utils.data.DataLoader(
         dataset,
@@ -243,7 +244,20 @@ def make_loader(
         collate_fn=None,
         timeout=0,
         worker_init_fn=_die_with_rank,
+        multiprocessing_context=worker_context() if num_workers > 0 else None,
     )
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Loader workers fork from a server process that imported torch and this module once and
+    ran nothing: never from the rank. torch's worker loop calls ``torch.set_num_threads(1)``
+    first, and in a child forked from a rank whose threads held a lock of torch's thread pool
+    at that moment, the call waits on the lock forever (once in ~25 runs under load), leaving
+    the worker and its rank hung. The server holds no such lock; it exits with its rank, and
+    its workers then die with it (:func:`_die_with_rank`)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", __name__])
+    return context
 
 
 def _die_with_rank(worker_id: int) -> None:
