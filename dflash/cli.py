@@ -21,7 +21,7 @@ from dflash.config import Config
 from dflash.declaration import COMMANDS, restrict, stages
 from dflash.errors import ConfigError, OutputError, UserError
 from dflash.fileio import SIGINT_EXIT, SIGTERM_EXIT, exit_on_sigterm
-from dflash.lock import launched_by_torchrun, record_exit, workspace_lock
+from dflash.lock import FAILURE_LOG, launched_by_torchrun, record_exit, workspace_lock
 from dflash.params import load_config
 from dflash.workspace import Workspace
 
@@ -175,9 +175,9 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
         if launched_by_torchrun():
             _exit_rank(code)  # here, while ``err`` still holds what it would free
         return code
-    except Exception:
+    except Exception as err:
         if launched_by_torchrun():
-            traceback.print_exc()
+            _report_crash(stage, err)
             _exit_rank(1)
         raise
 
@@ -188,6 +188,24 @@ def _report(stage: str, err: Exception) -> int:
     missing = isinstance(err, FileNotFoundError) and err.filename
     print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)
     return 1 if isinstance(err, OutputError) else 2
+
+
+def _report_crash(stage: str, err: Exception) -> None:
+    """A rank's unexpected error: its traceback in the job's failure log, where the launcher
+    set one (:mod:`dflash.train.agent`), and one line naming the rank, the error and the log;
+    else the traceback."""
+    log = os.environ.get(FAILURE_LOG)
+    if not log:
+        traceback.print_exc()
+        return
+    rank = os.environ.get("RANK", "0")
+    with open(log, "a") as f:
+        f.write(f"rank {rank}: {''.join(traceback.format_exception(err))}")
+    message = next(iter(str(err).strip().splitlines()), "")
+    print(
+        f"dflash {stage}: rank {rank}: {type(err).__name__}: {message} (traceback: {log})",
+        file=sys.stderr,
+    )
 
 
 def _exit_rank(code: int) -> NoReturn:

@@ -292,6 +292,9 @@ class TrainConfig(Section):
     max_restarts: Int = Field(0, ge=0)
     """Times torchrun restarts the job after a rank fails, each from the last checkpoint: a
     run knob."""
+    rendezvous_timeout_s: Float = Field(300.0, gt=0.0)
+    """Seconds the nodes of a job spanning several wait for each other to meet before giving
+    up, the head naming those that never came: a run knob, each node's own."""
     max_nonfinite_steps: Int = Field(10, ge=1)
     """Consecutive non-finite losses tolerated (each skips its step) before the run stops."""
     num_workers: Int = Field(1, ge=0)

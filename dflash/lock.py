@@ -29,6 +29,11 @@ EXIT_DIR = "DFLASH_RANK_EXITS"
 ranks did, and a rank that refused the user's input (2) should make the job exit 2 too."""
 
 
+FAILURE_LOG = "DFLASH_TRAIN_FAILURES"
+"""The file a failed job's full report goes to, set by the launcher for ``torchrun``'s agent
+(:mod:`dflash.train.agent`) and its ranks: the terminal gets one line naming it."""
+
+
 def launched_by_torchrun() -> bool:
     """Whether this process is a rank ``torchrun`` started (it sets both variables)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -98,6 +98,11 @@ class Workspace:
         "Held (``flock``) by the one stage writing the workspace (:mod:`dflash.lock`); holds its "
         "PID and command.",
     )
+    train_failures = _at(
+        ".dflash/train-failures.log",
+        "A failed train job's full report (torchrun's, the ranks' tracebacks): the terminal shows "
+        "one line naming it (:mod:`dflash.train.agent`).",
+    )
     train_metrics = _at(
         "metrics/train.json",
         "The headline figures (:mod:`dflash.headline`), written last; ``train_details`` holds all.",

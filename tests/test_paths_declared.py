@@ -17,6 +17,7 @@ UNDECLARED = {
     WS.dvc_cache: "DVC's own cache",
     WS.provenance: "the workspace's own state",
     WS.lock: "the workspace's own state",
+    WS.train_failures: "the workspace's own state: a failed job's report",
     WS.checkpoints: "resume state: never an output (dvc.yaml's header)",
     WS.regenerated_shards: "resume state: never an output (dvc.yaml's header)",
 }

@@ -1,8 +1,9 @@
 """The train stage (``dflash train``, ``python stages/train.py``): check, lock, launch.
 
 The launching process takes the workspace's lock (:mod:`dflash.lock`), checks the plans and
-the world size once, and only then starts ``torchrun`` with the resolved params handed over
-in a temporary file, so ``--set`` overrides reach every rank. The job has
+the world size once, and only then starts ``torchrun`` (through :mod:`dflash.train.agent`,
+which ends a failed job in one line) with the resolved params handed over in a temporary file,
+so ``--set`` overrides reach every rank. The job has
 ``train.world_size`` ranks, plus ``train.target_ranks`` when ``train.topology`` is decoupled
 (``dflash.train.topology``). ``torchrun`` inherits the lock and dies with the launcher; each
 rank dies with ``torchrun``. Run under ``torchrun`` directly, rank 0 takes the lock itself.
@@ -34,7 +35,14 @@ from dflash.closure import declared_inputs
 from dflash.config import Config
 from dflash.declaration import declared_params, unrestricted
 from dflash.fileio import remove_files
-from dflash.lock import EXIT_DIR, HELD_BY_LAUNCHER, launched_by_torchrun, refused, workspace_lock
+from dflash.lock import (
+    EXIT_DIR,
+    FAILURE_LOG,
+    HELD_BY_LAUNCHER,
+    launched_by_torchrun,
+    refused,
+    workspace_lock,
+)
 from dflash.train.allocator import configure_allocator
 from dflash.train.files import Declared, TrainFiles, weight_inputs
 from dflash.train.launch import Nodes
@@ -86,13 +94,17 @@ def run(config: Config, workspace: Workspace, options: argparse.Namespace | None
 
 
 def _rank(config: Config, workspace: Workspace) -> int:
+    from dflash.train.distributed import init_distributed
     from dflash.train.loop import train
+    from dflash.train.nodes import agree_params
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops its ranks, blocked or not
     die_with_parent()
     own_lock = HELD_BY_LAUNCHER not in os.environ and os.environ.get("RANK") == "0"
     with workspace_lock(workspace.lock, "train") if own_lock else nullcontext():
-        train(config, train_files(workspace, config), declared(config))
+        job = declared(config)
+        agree_params(init_distributed(), job.params)  # before any rank splits the job by them
+        train(config, train_files(workspace, config), job)
     return 0
 
 
@@ -120,6 +132,7 @@ def _torchrun(
     nodes: Nodes = ONE_NODE,
     options: argparse.Namespace | None = None,
 ) -> int:
+    from dflash.train import agent
     from dflash.train.launch import torchrun_args, worker_command
     from dflash.train.ranks import RankLayout, processes
 
@@ -131,18 +144,21 @@ def _torchrun(
             flush=True,
         )
     remove_files(workspace.train_metrics)  # written last by this job: present = it finished
+    remove_files(workspace.train_failures)  # this job's failures only
     with tempfile.TemporaryDirectory(prefix="dflash-train-") as scratch:
         params = Path(scratch) / "params.yaml"
         params.write_text(yaml.safe_dump(unrestricted(config).model_dump(mode="json")))
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            agent.__name__,
+            str(config.train.rendezvous_timeout_s),
             *torchrun_args(nodes, processes(config.train)),
             f"--max-restarts={config.train.max_restarts}",
             *("-m", "dflash.cli", "train", "--params", str(params)),
         ]
-        env = {**os.environ, HELD_BY_LAUNCHER: "1", EXIT_DIR: scratch}
+        failures = str(workspace.train_failures)
+        env = {**os.environ, HELD_BY_LAUNCHER: "1", EXIT_DIR: scratch, FAILURE_LOG: failures}
         job = subprocess.Popen(
             cmd,
             env=env,
@@ -163,7 +179,7 @@ def _torchrun(
     t = config.train
     if code != 0 and t.topology == "decoupled":
         roles = RankLayout(t.world_size, t.target_ranks).roles()
-        print(f"dflash train: a rank failed (torchrun names it above); {roles}", file=sys.stderr)
+        print(f"dflash train: a rank failed (named above); {roles}", file=sys.stderr)
     return code
 
 

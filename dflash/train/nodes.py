@@ -1,17 +1,22 @@
 """Checks a job spanning several nodes makes before its first step.
 
-Each node trains on its own copy of the inputs, so one digest on rank 0 vouches for nothing
-on the others: every node hashes its own token store, plans, tokenizer and target, and a node
-that differs ends the job, named with the input. Checkpoints must be readable by every node
-to be resumed: rank 0 writes a marker with a random token where they go, and every node must
-read it back. On one node both checks are skipped (one copy, one directory).
+Each node trains on its own copy of the inputs with its own params, so one digest on rank 0
+vouches for nothing on the others. Its params are compared first, as each rank starts: a worker
+with another ``train.lr`` would train the head's drafter with it unrecorded, and one with
+another ``train.max_steps`` would leave the others waiting. Then every node hashes its own token
+store, plans, tokenizer and target, and a node that differs ends the job, named with the input.
+Checkpoints must be readable by every node to be resumed: rank 0 writes a marker with a random
+token where they go, and every node must read it back. On one node all checks are skipped (one
+copy, one directory).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -41,6 +46,67 @@ def _gather(ctx: Dist, value: object) -> list[tuple[int, object]]:
     values: list = [None] * dist.get_world_size(ctx.group)
     dist.all_gather_object(values, (node_rank(), value), group=ctx.group)
     return values
+
+
+PER_NODE = (
+    "train.checkpoint_dir",
+    "train.num_workers",
+    "train.prefetch",
+    "train.feature_prefetch",
+    "train.recompute",
+    "train.max_restarts",
+    "train.rendezvous_timeout_s",
+    "engine.endpoints",
+    "engine.backend",
+    "engine.timeout_s",
+    "engine.max_retries",
+    "logging.wandb",
+    "logging.project",
+)
+"""Params a node may set for itself (where it mounts the checkpoints, how it feeds its own ranks,
+the engines it asks); every other param of the run must be the head's."""
+
+
+def shared_params(params: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``params`` by dotted key, less :data:`PER_NODE`."""
+    flat = {f"{section}.{k}": v for section, values in params.items() for k, v in values.items()}
+    return {
+        key: value
+        for key, value in flat.items()
+        if not any(key == p or key.startswith(p + ".") for p in PER_NODE)
+    }
+
+
+_UNSET = object()
+
+
+def differences(head: dict[str, Any], node: dict[str, Any]) -> list[str]:
+    """``key = value (head: value)`` for each param ``node`` holds otherwise than ``head``."""
+    return [
+        f"{key} = {_shown(node.get(key, _UNSET))} (head: {_shown(head.get(key, _UNSET))})"
+        for key in sorted(head.keys() | node.keys())
+        if node.get(key, _UNSET) != head.get(key, _UNSET)
+    ]
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is _UNSET else json.dumps(value)
+
+
+def agree_params(ctx: Dist, params: dict[str, dict[str, Any]]) -> None:
+    """Raise on every rank, naming the node and each param with both values, unless every node
+    runs the head's params (:func:`shared_params`)."""
+    if not (ctx.enabled and many_nodes()):
+        return
+    gathered = _gather(ctx, shared_params(params) if _first_on_node() else None)
+    head = next(p for n, p in gathered if n == 0 and p is not None)
+    for node, values in sorted(gathered, key=lambda nv: nv[0]):
+        differ = differences(head, values) if values is not None else []
+        if differ:
+            raise UserError(
+                f"node {node} runs other params than the head: {'; '.join(differ)}; every "
+                "node must run the head's: rerun it with the command the head printed"
+            )
 
 
 def input_digests(files: TrainFiles) -> dict[str, str]:
