@@ -2,9 +2,9 @@
 
 With ``train.features: files`` each sample of the token store gets one file in the format
 hs-connectors reads (``hs_<sample id>.safetensors``: ``hidden_states`` ``[T, n, H]`` and
-``token_ids``), the format vLLM's connector writes, so training reads them with the same
-reader as engine features and runs no target forward: an experiment that changes only
-batching or training reuses them. The producer is the target in this process, document by
+``token_ids``), the format vLLM's connector writes, so training checks them as it checks
+engine features and runs no target forward: an experiment that changes only batching or
+training reuses them. The producer is the target in this process, document by
 document, or with ``train.topology: engine`` the serving engines (their files, checked, are
 copied in). Features are large (about 40 KB a token at Qwen3-8B with 5 layers), so the stage
 logs bytes per token and the projected total before it writes anything. With
@@ -16,25 +16,35 @@ simulated`: the target's own answers and its features), so a files run logs the 
 run logs. And, when ``objective.loss`` distills, the target's last hidden state after the
 drafter's layers in every sample's file (``last_hidden_state`` in the manifest), which the KL
 to the target reads.
+
+Training trusts no file it cannot check. The manifest records each file's size and SHA-256,
+the target's digest and the params the stage ran with. A run checks the sizes and the target
+before it starts (:func:`check_files`) and each file's digest over the bytes it reads anyway
+(:class:`CapturedFiles`): a difference exits 2 naming the file or the target, and a refusal
+for other params names them as the ``--set`` that captures what this run reads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
+import shlex
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+import yaml
+from safetensors.torch import load, save
 
 from dflash.config import Config
 from dflash.data.store import TokenStore
-from dflash.errors import ConfigError
-from dflash.fileio import atomic_dir
+from dflash.errors import ConfigError, UserError
+from dflash.fileio import atomic_dir, not_a_file
 from dflash.model.distill import Objective
-from dflash.model.hidden_states import EngineClient, engine_layer_ids, hidden_transfer
-from dflash.model.load import target_device_dtype
+from dflash.model.hidden_states import EngineClient, EngineError, engine_layer_ids, hidden_transfer
+from dflash.model.load import target_device_dtype, target_digest
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +53,15 @@ SAMPLE = "hs_{}.safetensors"
 """hs-connectors' cached-sample name (``FileTransfer.get_cached``)."""
 HELDOUT = "heldout_tau.safetensors"
 """The held-out batch of simulated τ: :func:`dflash.train.simulated.capture`'s packed row."""
+DIGEST = "sha256"
+"""The digest a file's record in the manifest holds, beside its size in ``bytes``."""
+RECAPTURE = "rerun `dflash capture`"
+
+
+class CaptureError(EngineError, UserError):
+    """The capture stage's files are missing, cut short, malformed or changed since it wrote
+    them, or of another target: the user remakes them (exit 2). An ``EngineError`` too: as
+    with an engine's, a document whose states cannot be had ends the run."""
 
 
 def bytes_per_token(layers: int, hidden: int, dtype: torch.dtype) -> int:
@@ -59,34 +78,104 @@ def size_line(per_token: int, tokens: int, samples: int) -> str:
 
 
 def manifest(path: Path) -> dict:
-    return json.loads((path / MANIFEST).read_text())
+    """The stage's ``features.json``; one that is no JSON object is a CaptureError naming it."""
+    file = path / MANIFEST
+    try:
+        info = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise CaptureError(f"{file} is unreadable ({err}); {RECAPTURE}") from err
+    if not isinstance(info, dict):
+        raise CaptureError(f"{file} holds no JSON object; {RECAPTURE}")
+    return info
 
 
-def check_capture(path: Path | None, layer_ids: list[int], hidden: int, last: bool = False) -> int:
+def field(info: dict, key: str, path: Path) -> Any:
+    if key not in info:
+        raise CaptureError(
+            f"{path / MANIFEST} has no {key!r}: written by another version of dflash, or "
+            f"edited; {RECAPTURE}"
+        )
+    return info[key]
+
+
+def check_capture(
+    path: Path | None,
+    layer_ids: list[int],
+    hidden: int,
+    last: bool = False,
+    config: Config | None = None,
+) -> int:
     """``train.features: files`` needs the capture stage's files, of the drafter's layers and,
     where the objective distills (``last``), with the target's last hidden state; returns the
-    states a file holds per token."""
+    states a file holds per token. A refusal names the params the capture was made with that
+    this run (``config``) has otherwise: :func:`recapture`."""
     if path is None or not (path / MANIFEST).is_file():
         raise ConfigError(f"train.features = files: no {path}/{MANIFEST}; run `dflash capture`")
     info = manifest(path)
-    if info["features"] != "files":
+    features = field(info, "features", path)
+    if features != "files":
         raise ConfigError(
             f"train.features = files: {path} holds only a manifest (captured with "
-            f"train.features {info['features']}); run `dflash capture` with train.features files"
+            f"train.features {features}); "
+            + recapture(info, config, f"{RECAPTURE} with train.features files")
         )
-    if info["layer_ids"] != layer_ids or info["hidden_size"] != hidden:
+    layers, size = field(info, "layer_ids", path), field(info, "hidden_size", path)
+    if layers != layer_ids or size != hidden:
         raise ConfigError(
-            f"train.features = files: {path} holds layers {info['layer_ids']} of hidden size "
-            f"{info['hidden_size']}, the drafter reads {layer_ids} of {hidden}; rerun "
-            "`dflash capture`"
+            f"train.features = files: {path} holds layers {layers} of hidden size {size}, "
+            f"the drafter reads {layer_ids} of {hidden}; {recapture(info, config)}"
         )
-    stored = info.get("last_hidden_state", False)
+    stored = info.get("last_hidden_state") is True
     if last and not stored:
         raise ConfigError(
             f"objective.loss: kl reads the target's last hidden state, and {path} was captured "
-            "without it (with objective.loss ce); rerun `dflash capture` with this objective.loss"
+            "without it (with objective.loss ce); "
+            + recapture(info, config, f"{RECAPTURE} with this objective.loss")
         )
     return len(layer_ids) + stored
+
+
+def recapture(info: dict, config: Config | None, default: str = RECAPTURE) -> str:
+    """How to remake the files for this run: ``dflash capture`` with, as ``--set``, each param
+    the manifest records that ``config`` holds otherwise (run as it was, the stage would
+    remake the same files); ``default`` where none differs."""
+    recorded = info.get("params")
+    if config is None or not isinstance(recorded, dict):
+        return default
+    changed = {}
+    for key, was in recorded.items():
+        now = _param(config, key)
+        if now is not _ABSENT and _plain(now) != _plain(was):
+            changed[key] = (was, now)
+    if not changed:
+        return default
+    made = ", ".join(f"{key} = {was!r}" for key, (was, _) in changed.items())
+    sets = " ".join(f"--set {shlex.quote(f'{key}={_text(now)}')}" for key, (_, now) in
+                    changed.items())  # fmt: skip
+    return f"it was captured with {made}: rerun `dflash capture {sets}`"
+
+
+_ABSENT = object()
+
+
+def _param(config: Config, key: str) -> Any:
+    """The dotted ``key`` of ``config`` in JSON types; ``_ABSENT`` where the run holds none."""
+    section_name, _, name = key.partition(".")
+    section = getattr(config, section_name, None)
+    if section is None or name not in section.__dict__:
+        return _ABSENT
+    return section.model_dump(mode="json", include={name})[name]
+
+
+def _plain(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _text(value: Any) -> str:
+    """``value`` as ``--set`` reads it back (YAML): a plain string as it is, else JSON."""
+    if isinstance(value, str) and yaml.safe_load(value) == value:
+        return value
+    return json.dumps(value)
 
 
 def distills(config: Config) -> bool:
@@ -94,18 +183,110 @@ def distills(config: Config) -> bool:
     return Objective(config.objective.loss).distills
 
 
-def heldout_row(directory: Path, device: torch.device) -> dict[str, torch.Tensor] | None:
-    """The held-out τ batch the stage wrote, on ``device``; None where it wrote none (no
-    held-out prompt, or features from the engines, which write no answers)."""
-    path = directory / HELDOUT
-    return {k: v.to(device) for k, v in load_file(path).items()} if path.is_file() else None
+def write_file(directory: Path, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Write ``tensors`` to ``directory/name``; its record for the manifest (size and digest).
+
+    The bytes are made here and written by Python, so a full disk is an ``OSError`` (ENOSPC)
+    that :func:`dflash.fileio.atomic_dir` reports in one line, where safetensors' own writer
+    raises an error of its own; and they are hashed without being read back.
+    """
+    data = save({key: value.contiguous() for key, value in tensors.items()})
+    (directory / name).write_bytes(data)
+    return {"bytes": len(data), DIGEST: hashlib.sha256(data).hexdigest()}
 
 
-def write_sample(directory: Path, sample_id: int, states: torch.Tensor, ids: list[int]) -> None:
+def write_sample(
+    directory: Path, sample_id: int, states: torch.Tensor, ids: list[int]
+) -> dict[str, Any]:
     """One sample's file: ``states`` ``[T, n, H]``, as vLLM's connector writes them."""
     tokens = torch.tensor(ids, dtype=torch.int64)
-    save_file({"hidden_states": states.contiguous(), "token_ids": tokens},
-              directory / SAMPLE.format(sample_id))  # fmt: skip
+    tensors = {"hidden_states": states, "token_ids": tokens}
+    return write_file(directory, SAMPLE.format(sample_id), tensors)
+
+
+def recorded_files(path: Path, info: dict) -> dict[str, dict]:
+    """Each file's record (``bytes`` and ``sha256``) by name, as the manifest holds them."""
+    files = field(info, "files", path)
+    if not isinstance(files, dict):
+        raise CaptureError(f"{path / MANIFEST}: 'files' is no mapping of names; {RECAPTURE}")
+    return files
+
+
+def read_file(directory: Path, name: str, files: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """``directory/name``, checked against its record before any of it is used: its bytes are
+    read once, hashed, then parsed."""
+    path = directory / name
+    record = _present(path, files.get(name))
+    data = path.read_bytes()
+    _same_size(path, len(data), record)
+    if hashlib.sha256(data).hexdigest() != record.get(DIGEST):
+        raise CaptureError(
+            f"{path} changed since the capture stage wrote it (its {DIGEST} differs from the "
+            f"one in {MANIFEST}); {RECAPTURE}"
+        )
+    return load(data)
+
+
+def _present(path: Path, record: Any) -> dict:
+    """``path``'s record, once the file is there: a CaptureError naming it otherwise."""
+    if not isinstance(record, dict):
+        raise CaptureError(f"{path}: {path.parent / MANIFEST} records no such file; {RECAPTURE}")
+    why = not_a_file(path)
+    if why:
+        raise CaptureError(f"{path} {why}; {RECAPTURE}")
+    return record
+
+
+def _same_size(path: Path, size: int, record: dict) -> None:
+    if size != record.get("bytes"):
+        raise CaptureError(
+            f"{path} holds {size:,} bytes, the capture stage wrote {record.get('bytes')}: cut "
+            f"short or changed since; {RECAPTURE}"
+        )
+
+
+class CapturedFiles:
+    """The samples' files, each checked against the manifest as it is read: hs-connectors'
+    ``FileTransfer.get_cached``, the seam :func:`dflash.train.engine.file_fetch` reads by."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.files = recorded_files(directory, manifest(directory))
+
+    def get_cached(self, sample_id: int) -> dict[str, torch.Tensor]:
+        return read_file(self.directory, SAMPLE.format(sample_id), self.files)
+
+
+def check_files(path: Path, samples: int, target: Path) -> None:
+    """Before a run starts: the files are of the token store's ``samples``, each there at the
+    size the manifest records, and ``target`` is the one they were captured from (contents
+    are checked as each file is read)."""
+    info = manifest(path)
+    captured = field(info, "samples", path)
+    if captured != samples:
+        raise CaptureError(
+            f"{path} holds the features of {captured} samples, the token store has {samples}: "
+            f"they were captured from another token store; {RECAPTURE}"
+        )
+    for name, record in recorded_files(path, info).items():
+        file = path / name
+        record = _present(file, record)
+        _same_size(file, file.stat().st_size, record)
+    if field(info, "target_digest", path) != target_digest(target):
+        raise CaptureError(
+            f"{target} is not the target {path} was captured from (its digest differs from "
+            f"the one in {path / MANIFEST}): the target changed since; {RECAPTURE} to capture "
+            "this target's features"
+        )
+
+
+def heldout_row(directory: Path, device: torch.device) -> dict[str, torch.Tensor] | None:
+    """The held-out τ batch the stage wrote, checked, on ``device``; None where it wrote none
+    (no held-out prompt, or features from the engines, which write no answers)."""
+    files = recorded_files(directory, manifest(directory))
+    if HELDOUT not in files:
+        return None
+    return {k: v.to(device) for k, v in read_file(directory, HELDOUT, files).items()}
 
 
 def capture(
@@ -116,11 +297,14 @@ def capture(
     init: Path | None,
     heldout: Path | None = None,
     tokenizer: Path | None = None,
+    params: dict[str, Any] | None = None,
 ) -> dict:
     """Write ``out`` whole: the manifest, and with ``train.features: files`` every sample (and
-    from the target in process, the held-out τ batch from ``heldout`` with ``tokenizer``)."""
+    from the target in process, the held-out τ batch from ``heldout`` with ``tokenizer``).
+    The manifest records ``params`` (the stage's, dotted), the target's digest and each
+    file's size and digest, which training checks."""
     store = TokenStore(tokenized)
-    files, engine = config.train.features == "files", config.train.topology == "engine"
+    files = config.train.features == "files"
     layer_ids, hidden = target_geometry(config.drafter, target_dir, init)
     dtype = target_device_dtype()[1]
     last = distills(config)
@@ -131,7 +315,7 @@ def capture(
     logger.info(f"features: {line}" + ("" if files else "; train.features target: not written"))
     info = {
         "features": config.train.features,
-        "producer": "engine" if engine else "target",
+        "producer": "engine" if config.train.topology == "engine" else "target",
         "layer_ids": layer_ids,
         "engine_layer_ids": engine_layer_ids(layer_ids),
         "hidden_size": hidden,
@@ -140,26 +324,37 @@ def capture(
         "tokens": tokens,
         "bytes_per_token": per_token,
         "projected_bytes": per_token * tokens,
+        "target_digest": target_digest(target_dir),
+        "params": params or {},
     }
-    if files:
-        info |= {"last_hidden_state": last, "simulated_tau": False}
     with atomic_dir(out) as tmp:
         if files:
-            if engine:
-                produce = _engine(config, layer_ids, hidden, dtype)
-            else:
-                target = _load(target_dir)
-                produce = _target(target, layer_ids, last)
-                row = _heldout_row(config, target, layer_ids, heldout, tokenizer)
-                if row is not None:
-                    save_file({k: v.contiguous().cpu() for k, v in row.items()}, tmp / HELDOUT)
-                info["simulated_tau"] = row is not None
+            produce, row = _producer(
+                config, target_dir, layer_ids, hidden, last, heldout, tokenizer
+            )
+            written = {} if row is None else {HELDOUT: write_file(tmp, HELDOUT, _cpu(row))}
             for sample_id in range(len(store)):
                 ids = [int(t) for t in store[sample_id][0]]
                 states = produce(ids, f"sample {sample_id}")
-                write_sample(tmp, sample_id, states.reshape(len(ids), stored, hidden), ids)
+                shaped = states.reshape(len(ids), stored, hidden)
+                written[SAMPLE.format(sample_id)] = write_sample(tmp, sample_id, shaped, ids)
+            info |= {"last_hidden_state": last, "simulated_tau": row is not None}
+            info["files"] = written
         (tmp / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def _cpu(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: value.cpu() for key, value in row.items()}
+
+
+def _producer(config, target_dir, layer_ids, hidden, last, heldout, tokenizer):
+    """What makes each sample's states, and the held-out τ batch (None from the engines)."""
+    if config.train.topology == "engine":
+        return _engine(config, layer_ids, hidden, target_device_dtype()[1]), None
+    target = _load(target_dir)
+    row = _heldout_row(config, target, layer_ids, heldout, tokenizer)
+    return _target(target, layer_ids, last), row
 
 
 def _load(target_dir: Path):

@@ -29,7 +29,7 @@ from dflash.model.hidden_states import (
     hidden_transfer,
 )
 from dflash.train.batches import MicroBatch
-from dflash.train.capture import check_capture, distills
+from dflash.train.capture import SAMPLE, CapturedFiles, CaptureError, check_capture, distills
 from dflash.train.distributed import Dist
 from dflash.train.files import TrainFiles
 from dflash.train.prefetch import Window
@@ -127,8 +127,10 @@ def served_fetch(client) -> Fetch:
 def file_fetch(
     transfer, layers: int, hidden: int, dtype: torch.dtype, directory: Path, keep: int | None = None
 ) -> Fetch:
-    """Each document read from the ``capture`` stage's files with the library's reader: the
-    first ``keep`` of the ``layers`` states it holds per token (all of them by default)."""
+    """Each document read from the ``capture`` stage's files by ``transfer`` (hs-connectors'
+    reader, or :class:`dflash.train.capture.CapturedFiles`, which checks each file's digest),
+    checked as engine states are: the first ``keep`` of the ``layers`` states it holds per
+    token (all of them by default). A file that is not what the run reads names itself."""
     width = hidden * (layers if keep is None else keep)
 
     def fetch(sample_id: int, token_ids: list[int], what: str) -> torch.Tensor:
@@ -136,8 +138,9 @@ def file_fetch(
             sample = transfer.get_cached(sample_id)
             return checked(sample, token_ids, layers, hidden, dtype)[:, :width]
         except (BadStates, OSError) as err:
-            raise EngineError(
-                f"{what}: {directory}: {err}; rerun `dflash capture` with train.features files"
+            raise CaptureError(
+                f"{what}: {directory / SAMPLE.format(sample_id)}: {err}; rerun `dflash capture` "
+                "with train.features files"
             ) from err
 
     return fetch
@@ -153,8 +156,8 @@ def document_features(
     store = TokenStore(files.tokenized)
     if t.features == "files":
         last = distills(config)  # the KL reads the last hidden state after the layers
-        stored = check_capture(files.features, layer_ids, hidden, last)
-        transfer = hidden_transfer("file", files.features)
+        stored = check_capture(files.features, layer_ids, hidden, last, config)
+        transfer = CapturedFiles(files.features)
         fetch = file_fetch(transfer, stored, hidden, dtype, files.features, n + last)
         width = (n + last) * hidden
         return DocumentFeatures(fetch, store, ctx, width, dtype, t.feature_prefetch, 2)

@@ -39,21 +39,25 @@ def preflight(config: Config, files: TrainFiles, nnodes: int = 1) -> None:
     t = config.train
     target = Path(resolve_target_path(files.target)) if files.target.exists() else None
     if t.features == "files" or t.topology == "engine":
-        check_features(config, files)
+        check_features(config, files, len(store))
     if t.topology == "decoupled":
         check_capacity(processes(t) // nnodes, "train.world_size + train.target_ranks", target)
     else:
         check_capacity(t.world_size // nnodes, target=target)
 
 
-def check_features(config: Config, files: TrainFiles) -> None:
-    """Features from files need the capture stage's, of the drafter's layers; from engines,
-    a reader for ``engine.backend`` (hs-connectors, and Mooncake's package for mooncake)."""
+def check_features(config: Config, files: TrainFiles, samples: int) -> None:
+    """Features from files need the capture stage's, of the drafter's layers (and the last
+    hidden state where the objective distills), all there, of the token store's ``samples``
+    and of this target; from engines, a reader for ``engine.backend`` (hs-connectors, and
+    Mooncake's package for mooncake)."""
     from dflash.model.hidden_states import hidden_transfer
-    from dflash.train.capture import check_capture, target_geometry
+    from dflash.train.capture import check_capture, check_files, distills, target_geometry
 
     if config.train.features == "files":
-        check_capture(files.features, *target_geometry(config.drafter, files.target, files.init))
+        geometry = target_geometry(config.drafter, files.target, files.init)
+        check_capture(files.features, *geometry, last=distills(config), config=config)
+        check_files(files.features, samples, files.target)
     else:
         hidden_transfer(config.engine.backend)
 
