@@ -23,19 +23,29 @@ def git(repo: Path, *args: str) -> str:
     return out.stdout.strip()
 
 
-def write_run(repo: Path, strategy: str, seed: int, shift: float, tokens_per_s: float) -> None:
-    """A run's committed outputs: τ per prompt spread widely between prompts, plus ``shift``."""
+def write_run(
+    repo: Path,
+    strategy: str,
+    seed: int,
+    shift: float,
+    tokens_per_s: float,
+    prompts: list[int] | None = None,
+) -> None:
+    """A run's committed outputs: τ per prompt spread widely between prompts, plus ``shift``.
+    ``prompts`` are the ids of the prompts scored, in their order in the set (all, in order,
+    by default): prompt ``i`` has digest ``d{i}`` and its own τ in every run."""
     rng = np.random.default_rng(seed)
-    spread = np.random.default_rng(99).uniform(1.5, 6.0, PROMPTS)
+    spread = np.random.default_rng(99).uniform(1.5, 6.0, 1000)
     records = [
-        {"set": "heldout", "prompt": i, "digest": f"d{i}",
+        {"set": "heldout", "prompt": row, "digest": f"d{i}",
          "strata": f"length:{'short' if i < PROMPTS // 2 else 'long'}",
          "tau": float(spread[i] + shift + rng.normal(0, 0.05)), "ngram_tau": 1.0, "tokens": 9}
-        for i in range(PROMPTS)
+        for row, i in enumerate(range(PROMPTS) if prompts is None else prompts)
     ]  # fmt: skip
     (repo / "metrics").mkdir(exist_ok=True)
     (repo / "metrics/eval_prompts.csv").write_text(records_csv(records))
-    details = {"tokens_per_s": tokens_per_s, "padding_efficiency": 0.9, "final_loss": 2.0,
+    details = {"tokens_per_s": tokens_per_s, "padding_efficiency": 0.9,
+               "final_loss": float("nan") if strategy == "nan-loss" else 2.0,
                "projected_hours": 1000 / tokens_per_s}  # fmt: skip
     (repo / "metrics/train_details.json").write_text(json.dumps(details))
     params = {"batching": {"strategy": strategy, "seed": seed}, "train": {"seed": seed}}
@@ -132,3 +142,82 @@ def test_a_pilots_projection_is_shown_in_minutes_with_its_whole_interval():
                              "[-1.13,", "+1.80]"]  # fmt: skip
     minutes = line(Row("projected h", None, None, 1, 0.05, None, 0.04, None, -0.01, None))
     assert minutes.split()[:5] == ["projected", "min", "1", "3.00", "2.40"]
+
+
+def strict(text: str) -> dict:
+    """JSON as the standard has it: NaN and Infinity are no JSON."""
+    return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in the JSON output"))
+
+
+@pytest.mark.parametrize(
+    ("name", "prompts", "n", "unpaired"),
+    [
+        ("reordered", list(range(PROMPTS))[::-1], PROMPTS, (0, 0)),
+        ("fewer", list(range(0, PROMPTS, 2)), PROMPTS // 2, (PROMPTS // 2, 0)),
+        ("others", [*range(7, 31), *range(500, 510)], 24, (16, 10)),
+    ],
+)
+def test_prompts_pair_by_identity_not_by_row(repo, capsys, name, prompts, n, unpaired):
+    """Runs whose sets hold the prompts in another order, fewer of them or other ones: each
+    prompt meets its own partner, and those without one are counted and left out."""
+    experiment(repo, f"exp-{name}", name, 0, 0.3, 1000.0, prompts)
+    result = compared(capsys, "exp-sorted", f"exp-{name}")
+    row = tau_all(result)
+    assert row["n"] == n and row["delta"] == pytest.approx(0.3, abs=0.05)
+    assert row["ci"][1] - row["ci"][0] < 0.1 and row["resolved"]
+    assert result["comparisons"][0]["pairing"] == {
+        "paired": n, "unpaired_first": unpaired[0], "unpaired_this": unpaired[1]
+    }  # fmt: skip
+    assert main(["compare", "exp-sorted", f"exp-{name}"]) == 0
+    screen = capsys.readouterr().out
+    note = f"τ: {n} prompts paired; left out, unpaired (another prompt or no τ): {unpaired[0]} of"
+    assert (note in screen) == (unpaired != (0, 0))
+
+
+@pytest.mark.parametrize(
+    ("tau", "why"), [("nan", "a finite number"), ("inf", "a finite number"),
+                     ("abc", "a finite number"), ("", None)],
+)  # fmt: skip
+def test_a_record_whose_tau_is_no_finite_number_exits_2_naming_file_and_line(
+    repo, capsys, tau, why
+):
+    write_run(repo, "edited", 0, 0.2, 1000.0)  # the workspace, against HEAD
+    path = repo / "metrics/eval_prompts.csv"
+    lines = path.read_text().splitlines()
+    cells = lines[5].split(",")
+    cells[4] = tau  # the tau column of the fifth record (line 6)
+    lines[5] = ",".join(cells)
+    path.write_text("\n".join(lines) + "\n")
+    code = main(["compare", "--json"])
+    out, err = capsys.readouterr()
+    if why is None:  # a prompt without a verification step: left unpaired, not refused
+        assert code == 0 and strict(out)["comparisons"][0]["pairing"]["unpaired_first"] == 1
+        return
+    assert code == 2 and out == ""
+    assert err == (f"dflash compare: the workspace's metrics/eval_prompts.csv, line 6: tau = "
+                   f"{tau!r} is not {why}; evaluate the run again\n")  # fmt: skip
+
+
+def test_a_nan_an_older_run_wrote_is_no_figure_and_the_json_stays_json(repo, capsys):
+    experiment(repo, "exp-old", "nan-loss", 0, 0.3, 1000.0)
+    assert main(["compare", "exp-sorted", "exp-old", "--json"]) == 0
+    rows = strict(capsys.readouterr().out)["comparisons"][0]["rows"]
+    loss = next(r for r in rows if r["figure"] == "final loss")
+    assert loss["first"] == 2.0 and loss["this"] is None and loss["delta"] is None
+
+
+def test_a_run_with_itself_or_with_its_own_params_is_nothing_to_compare(repo, capsys):
+    head = git(repo, "rev-parse", "HEAD")[:7]
+    exp = git(repo, "for-each-ref", "--format=%(objectname)", "refs/exps/**/exp-sorted")[:7]
+    cases = [
+        (
+            ["exp-sorted", "exp-sorted"],
+            f"exp-sorted and exp-sorted are the same run (commit {exp})",
+        ),
+        (["HEAD", head], f"HEAD and {head} are the same run (commit {head})"),
+        (["exp-packed", "exp-packed-1"], "the runs differ only in their seeds"),
+        ([], "the runs have the same params, seeds included"),  # the workspace is HEAD's
+    ]
+    for names, said in cases:
+        assert main(["compare", *names]) == 2
+        assert capsys.readouterr().err == f"dflash compare: {said}: nothing to compare\n"

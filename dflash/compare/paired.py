@@ -2,7 +2,10 @@
 
 Most of τ's spread is between prompts: a long, repetitive answer accepts more than a short
 one under any drafter. Two runs scored on the same prompts are compared prompt by prompt, so
-that spread cancels, and prompts are resampled with both runs of each prompt together.
+that spread cancels, and prompts are resampled with both runs of each prompt together. A
+prompt is known by its set and the digest of its tokens, never by its place in the set: runs
+whose sets hold other prompts, fewer, or the same in another order pair only what they share,
+and the prompts left without a partner are counted (:class:`Pairing`).
 
 Runs whose params differ only in their seed params (:data:`SEED_KEYS`) are replicates of one
 setting. A group of replicates scores each prompt by its mean over the replicates, and the
@@ -12,6 +15,8 @@ A difference is *resolved* when its 95% interval excludes zero.
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +41,27 @@ TRAIN_FIGURES = (
 
 def setting(run: Run) -> tuple:
     return tuple(sorted((k, repr(v)) for k, v in run.params.items() if k not in SEED_KEYS))
+
+
+def same_run(runs: list[Run]) -> str | None:
+    """Why ``runs`` name one run twice (the same commit), else None: a run is no replicate of
+    itself."""
+    seen: dict[str | None, Run] = {}
+    for run in runs:
+        if run.rev in seen:
+            first = seen[run.rev]
+            commit = "the workspace" if run.rev is None else f"commit {run.rev[:7]}"
+            return f"{first.name} and {run.name} are the same run ({commit})"
+        seen[run.rev] = run
+    return None
+
+
+def one_setting(runs: list[Run]) -> str:
+    """What the runs of a single pooled group share: every param, or all but seed params."""
+    params = {repr(sorted(run.params.items())) for run in runs}
+    if len(params) == 1:
+        return "the runs have the same params, seeds included"
+    return "the runs differ only in their seeds"
 
 
 def pool(runs: list[Run]) -> list[list[Run]]:
@@ -69,12 +95,23 @@ def interval(draws: np.ndarray) -> list[float]:
     return [float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))]
 
 
+def by_prompt(run: Run) -> dict[tuple, dict]:
+    """``run``'s records by prompt identity: (set, digest of the tokens, occurrence), the last
+    telling apart the same prompt twice in a set."""
+    seen: Counter = Counter()
+    out = {}
+    for r in run.records:
+        seen[r["set"], r["digest"]] += 1
+        out[r["set"], r["digest"], seen[r["set"], r["digest"]]] = r
+    return out
+
+
 def tau_table(group: list[Run], keys: list[tuple]) -> np.ndarray:
-    """``[replicate, prompt]`` τ of ``keys`` (set, prompt, digest)."""
+    """``[replicate, prompt]`` τ of ``keys`` (:func:`by_prompt`)."""
     rows = []
     for run in group:
-        by_key = {(r["set"], r["prompt"], r["digest"]): r["tau"] for r in run.records}
-        rows.append([by_key[k] for k in keys])
+        records = by_prompt(run)
+        rows.append([records[k]["tau"] for k in keys])
     return np.array(rows, dtype=float)
 
 
@@ -95,20 +132,43 @@ def paired_tau(first: np.ndarray, this: np.ndarray) -> tuple[list, list, list]:
     return interval(own_a), interval(own_b), interval(b - a)
 
 
+def scored(run: Run) -> list[tuple]:
+    """The prompts (:func:`by_prompt`) ``run`` scored with a τ, in its order."""
+    return [key for key, r in by_prompt(run).items() if r["tau"] is not None]
+
+
 def paired_keys(groups: list[list[Run]]) -> list[tuple]:
-    """(set, prompt, digest) scored with a τ by every run of ``groups``, in the first's order."""
-    first = groups[0][0].records
-    keep = [(r["set"], r["prompt"], r["digest"]) for r in first]
+    """The prompts scored with a τ by every run of ``groups``, in the first run's order."""
+    keep = scored(groups[0][0])
     for run in (run for group in groups for run in group):
-        scored = {(r["set"], r["prompt"], r["digest"]) for r in run.records if r["tau"] is not None}
-        keep = [k for k in keep if k in scored]
+        mine = set(scored(run))
+        keep = [k for k in keep if k in mine]
     return keep
+
+
+@dataclass
+class Pairing:
+    """How many prompts two groups share, and how many each scored that the other lacks
+    (another prompt, or one the other scored with no τ): those are left out of every τ row."""
+
+    paired: int
+    unpaired_first: int
+    unpaired_this: int
+
+
+def pairing(first: list[Run], this: list[Run], keys: list[tuple]) -> Pairing:
+    shared = set(keys)
+
+    def unpaired(group: list[Run]) -> int:
+        return len({k for run in group for k in scored(run)} - shared)
+
+    return Pairing(len(keys), unpaired(first), unpaired(this))
 
 
 def strata_of(run: Run, keys: list[tuple]) -> dict[tuple[str, str], list[int]]:
     """Positions in ``keys`` per (set, stratum) as the first run labels them, in the
     scorecard's order: ``all`` first, then by kind and group (:mod:`dflash.eval.strata`)."""
-    labels = {(r["set"], r["prompt"], r["digest"]): r["strata"] for r in run.records}
+    labels = {key: r["strata"] for key, r in by_prompt(run).items()}
     out: dict[tuple[str, str], list[int]] = {}
     for i, key in enumerate(keys):
         for stratum in ["all", *labels[key]]:
@@ -141,8 +201,7 @@ def train_rows(first: list[Run], this: list[Run]) -> list[Row]:
     """Run-level differences; an interval (over replicates) only with two or more a side."""
     rows = []
     for label, key in TRAIN_FIGURES:
-        va = [r.train.get(key) for r in first if isinstance(r.train.get(key), int | float)]
-        vb = [r.train.get(key) for r in this if isinstance(r.train.get(key), int | float)]
+        va, vb = figures(first, key), figures(this, key)
         ma = float(np.mean(va)) if va else None
         mb = float(np.mean(vb)) if vb else None
         delta = mb - ma if ma is not None and mb is not None else None
@@ -156,6 +215,15 @@ def train_rows(first: list[Run], this: list[Run]) -> list[Row]:
     return rows
 
 
-def compare(first: list[Run], this: list[Run]) -> list[Row]:
-    """Every row of one comparison: τ per set and stratum, then the training figures."""
-    return tau_rows(first, this) + train_rows(first, this)
+def figures(group: list[Run], key: str) -> list[float]:
+    """The finite values of ``key`` among the group's training figures (a null, a NaN an
+    older run wrote, or a string is none)."""
+    values = [run.train.get(key) for run in group]
+    return [v for v in values if type(v) in (int, float) and math.isfinite(v)]
+
+
+def compare(first: list[Run], this: list[Run]) -> tuple[list[Row], Pairing]:
+    """Every row of one comparison (τ per set and stratum, then the training figures), and
+    how its prompts paired."""
+    rows = tau_rows(first, this) + train_rows(first, this)
+    return rows, pairing(first, this, paired_keys([first, this]))

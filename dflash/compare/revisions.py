@@ -8,7 +8,10 @@ DVC and without checking anything out. The workspace is read from disk.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import math
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +20,7 @@ from typing import Any
 import yaml
 
 from dflash.errors import UserError
-from dflash.eval.records import read_records
+from dflash.eval.records import COLUMNS, read_records
 from dflash.workspace import RELATIVE
 
 WORKSPACE = "workspace"
@@ -80,21 +83,66 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def where_of(run: Run) -> str:
+    return "the workspace" if run.rev is None else run.label
+
+
+NUMBERS = {"tau": float, "ngram_tau": float, "prompt": int, "tokens": int}
+"""The columns of the per-prompt records that hold numbers (``tau`` and ``ngram_tau`` may be
+empty: a prompt without a verification step)."""
+
+
+def checked_records(text: str, where: str) -> str:
+    """``text`` if every record has every column and a finite number where one goes; else a
+    :class:`UserError` naming ``where`` (the file) and the line."""
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise UserError(f"{where} has no column {missing[0]} (the header names "
+                        f"{', '.join(reader.fieldnames or []) or 'none'})")  # fmt: skip
+    for row in reader:
+        for column, kind in NUMBERS.items():
+            value = row[column]
+            if value == "" and kind is float:
+                continue
+            try:
+                number = kind(value)
+            except (TypeError, ValueError):
+                number = None
+            if number is None or not math.isfinite(number):
+                what = "a finite number" if kind is float else "a whole number"
+                raise UserError(f"{where}, line {reader.line_num}: {column} = {value!r} is not "
+                                f"{what}; evaluate the run again")  # fmt: skip
+    return text
+
+
 def load_run(root: Path, name: str, rev: str | None) -> Run:
     """A run's params, per-prompt records and training details; the records must exist."""
     run = Run(name, rev)
+    where = where_of(run)
     records = read_text(root, rev, RELATIVE.eval_prompts)
     if records is None:
-        where = "the workspace" if rev is None else f"{run.label}"
         raise UserError(
             f"{where} has no {RELATIVE.eval_prompts}: evaluate it first (dvc repro, or dvc exp run)"
         )
-    run.records = read_records(records)
+    run.records = read_records(checked_records(records, f"{where}'s {RELATIVE.eval_prompts}"))
     params = read_text(root, rev, Path("params.yaml"))
-    run.params = flatten(yaml.safe_load(params) or {}) if params else {}
+    run.params = flatten(_parsed(yaml.safe_load, params, f"{where}'s params.yaml"))
     details = read_text(root, rev, RELATIVE.train_details)
-    run.train = json.loads(details) if details else {}
+    run.train = _parsed(json.loads, details, f"{where}'s {RELATIVE.train_details}")
     return run
+
+
+def _parsed(parse, text: str | None, where: str) -> dict[str, Any]:
+    """``text`` parsed as a mapping (absent or empty: an empty one); else a UserError."""
+    try:
+        data = parse(text) if text else {}
+    except (ValueError, yaml.YAMLError) as err:
+        why = " ".join(str(err).split())  # one line, as YAML's marks are not
+        raise UserError(f"{where} does not parse ({type(err).__name__}: {why})") from None
+    if not isinstance(data, dict | None):
+        raise UserError(f"{where} holds a {type(data).__name__}, not a mapping")
+    return data or {}
 
 
 def runs_to_compare(root: Path, names: list[str]) -> list[Run]:

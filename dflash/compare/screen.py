@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dflash.compare.paired import Row
+from dflash.compare.paired import Pairing, Row
 from dflash.compare.revisions import Run
 
 WIDTH = 100
@@ -69,12 +69,28 @@ def line(row: Row) -> str:
     return cells.rstrip()[:WIDTH]
 
 
-def render(first: list[Run], comparisons: list[tuple[list[Run], list[Row]]]) -> str:
+Comparison = tuple[list[Run], list[Row], Pairing]
+"""One later group, its rows against the first group, and how their prompts paired."""
+
+
+def unpaired_note(pairing: Pairing) -> str | None:
+    """A line counting the prompts left out for want of a partner; None when none was."""
+    if not pairing.unpaired_first and not pairing.unpaired_this:
+        return None
+    return (
+        f"  τ: {pairing.paired} prompts paired; left out, unpaired (another prompt or no τ): "
+        f"{pairing.unpaired_first} of the first's, {pairing.unpaired_this} of these"
+    )
+
+
+def render(first: list[Run], comparisons: list[Comparison]) -> str:
     out = [f"dflash compare: against {group_label(first)}"]
-    for group, rows in comparisons:
+    for group, rows, pairing in comparisons:
         out += ["", f"{group_label(group)}"[:WIDTH], HEADER]
         if not any(r.figure == "tau" for r in rows):
             out.append("  τ: no prompt scored by both (other prompts: evaluate params or data)")
+        note = unpaired_note(pairing)
+        out += [note[:WIDTH]] if note and pairing.paired else []
         out += [line(r) for r in rows]
     out += [
         "",
@@ -84,7 +100,7 @@ def render(first: list[Run], comparisons: list[tuple[list[Run], list[Row]]]) -> 
     return "\n".join(out) + "\n"
 
 
-def as_json(first: list[Run], comparisons: list[tuple[list[Run], list[Row]]]) -> dict[str, Any]:
+def as_json(first: list[Run], comparisons: list[Comparison]) -> dict[str, Any]:
     def names(group: list[Run]) -> list[dict]:
         return [{"name": r.name, "rev": r.rev} for r in group]
 
@@ -93,8 +109,9 @@ def as_json(first: list[Run], comparisons: list[tuple[list[Run], list[Row]]]) ->
         "comparisons": [
             {
                 "this": names(group),
+                "pairing": dataclasses.asdict(pairing),
                 "rows": [dataclasses.asdict(r) | {"resolved": r.resolved} for r in rows],
             }
-            for group, rows in comparisons
+            for group, rows, pairing in comparisons
         ],
     }
