@@ -9,7 +9,10 @@ UTF-8 are errors naming where, never a run on half the params or a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
+import shlex
 import typing
 from pathlib import Path
 from typing import Any
@@ -103,6 +106,17 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item!r}: {part} is not a section")
     node[leaf] = parse_yaml(value, f"--set {item!r}")
+
+
+def set_option(key: str, value: Any) -> str:
+    """The ``--set`` giving the dotted ``key`` this ``value`` (JSON types) as
+    :func:`apply_override` reads it back, quoted for a shell: for a message to name the param
+    a command must run with."""
+    text = json.dumps(value)
+    if isinstance(value, str):
+        with contextlib.suppress(ConfigError):
+            text = value if parse_yaml(value, key) == value else text
+    return f"--set {shlex.quote(f'{key}={text}')}"
 
 
 def at_least(low: int):

@@ -27,6 +27,7 @@ from dflash.declaration import declared_params, restrict, stages, unrestricted
 from dflash.errors import UserError
 from dflash.fileio import write_json_atomic
 from dflash.fingerprint import DigestCache, digest
+from dflash.params import set_option
 from dflash.workspace import Workspace
 
 DIGESTS = "digests.json"
@@ -53,7 +54,8 @@ def check(stage: str, config: Config, workspace: Workspace) -> None:
         first = _first_declaring(key) or producer
         raise StaleInput(
             f"stale input: {output} was made with {key} = {value!r}, but this run has "
-            f"{key} = {now!r}; remake it with `dflash {first}` and the stages after it, or "
+            f"{key} = {now!r}; remake it with `dflash {first}` and the stages after it, given "
+            f"`{set_option(key, now)}` (or that value in params.yaml), or "
             f"`dvc repro {stage}` for all of them"
             + (f" ({len(problems) - 1} more difference(s))" if len(problems) > 1 else "")
         )

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import shutil
 import signal
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ from dflash.data.store import TokenStore
 from dflash.declaration import restrict, stages
 from dflash.errors import OutputError, UserError
 from dflash.model.load import load_target
-from dflash.params import load_config
+from dflash.params import apply_override, load_config, set_option
 from dflash.stages.capture import run as capture_stage
 from dflash.stages.train import train_files
 from dflash.train.capture import MANIFEST, SAMPLE, target_geometry
@@ -189,6 +190,24 @@ def test_a_refusal_names_the_params_that_capture_what_the_run_reads(ws, capsys, 
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1, err
     assert f"it was captured with {made}: rerun `dflash capture --set {sets[0]}`" in err
+
+
+def test_the_stale_input_message_names_the_set_that_remakes_the_features(ws, capsys):
+    code = main(["train", f"--set={FILES}", "--set=drafter.num_target_features=3"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "data/features was made with drafter.num_target_features = 2" in err
+    assert (
+        "`dflash capture` and the stages after it, given `--set drafter.num_target_features=3`"
+        in err
+    )
+
+
+@pytest.mark.parametrize("value", ["files", 3, None, "null", "3", "a: b", [1, 2], {"x": False}])
+def test_a_named_set_reads_back_as_the_value(value):
+    raw: dict = {}
+    apply_override(raw, shlex.split(set_option("section.key", value))[1])
+    assert raw == {"section": {"key": value}}
 
 
 def test_manifest_only_capture_names_train_features(ws, capsys):

@@ -30,12 +30,10 @@ import contextlib
 import hashlib
 import json
 import logging
-import shlex
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from safetensors.torch import load, save
 
 from dflash.config import Config
@@ -45,6 +43,7 @@ from dflash.fileio import atomic_dir, not_a_file
 from dflash.model.distill import Objective
 from dflash.model.hidden_states import EngineClient, EngineError, engine_layer_ids, hidden_transfer
 from dflash.model.load import target_device_dtype, target_digest
+from dflash.params import set_option
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +149,7 @@ def recapture(info: dict, config: Config | None, default: str = RECAPTURE) -> st
     if not changed:
         return default
     made = ", ".join(f"{key} = {was!r}" for key, (was, _) in changed.items())
-    sets = " ".join(f"--set {shlex.quote(f'{key}={_text(now)}')}" for key, (_, now) in
-                    changed.items())  # fmt: skip
+    sets = " ".join(set_option(key, now) for key, (_, now) in changed.items())
     return f"it was captured with {made}: rerun `dflash capture {sets}`"
 
 
@@ -169,13 +167,6 @@ def _param(config: Config, key: str) -> Any:
 
 def _plain(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
-
-
-def _text(value: Any) -> str:
-    """``value`` as ``--set`` reads it back (YAML): a plain string as it is, else JSON."""
-    if isinstance(value, str) and yaml.safe_load(value) == value:
-        return value
-    return json.dumps(value)
 
 
 def distills(config: Config) -> bool:
