@@ -286,7 +286,7 @@ class Baseline(Metrics):
     acceptance_length: float
     acceptance_length_pooled: float
     lossless_mismatches: int
-    speedup: float
+    speedup: float | None
 
 
 class Baselines(Metrics):
@@ -346,7 +346,7 @@ class EvalSet(Metrics):
     near_tie_divergences: int
     per_position_acceptance: list[float]
     records: Records
-    speedup: float
+    speedup: float | None
     speedup_wall: float
     strata: dict[str, dict[str, Stratum]]
     target_forwards: int

@@ -55,6 +55,14 @@ def test_speedup_is_decode_time_per_token_without_the_prefill():
     assert metrics["speedup_wall"] == pytest.approx(14 / 8)
 
 
+def test_one_token_answers_give_no_speedup_and_no_interval_rather_than_nan():
+    # Every answer is one token: nothing decoded to time, no verification step to resample.
+    one = GenerateOutput(tokens=[7])
+    metrics = summarize_method([one], [one], seed=0)
+    assert metrics["speedup"] is None and metrics["acceptance_length_ci95"] == []
+    json.dumps(metrics, allow_nan=False)  # what write_json_atomic demands
+
+
 def test_bootstrap_interval_is_seeded_and_brackets_the_mean():
     values = np.array([1.0, 2.0, 3.0, 4.0, 10.0])
     a, b = bootstrap_interval(values, 7), bootstrap_interval(values, 7)

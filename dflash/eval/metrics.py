@@ -12,6 +12,8 @@ averaged over responses, as the reference does; the wall-clock ratio is its own 
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,9 +32,10 @@ def response_tau(outputs: list[GenerateOutput], count: str = "accepted") -> np.n
 
 
 def bootstrap_interval(values: np.ndarray, seed: int) -> list[float]:
-    """95% percentile interval of the mean of ``values``, resampled with replacement."""
+    """95% percentile interval of the mean of ``values``, resampled with replacement; empty
+    when no response had a step (JSON holds no NaN)."""
     if len(values) == 0:
-        return [float("nan"), float("nan")]
+        return []
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(values), size=(BOOTSTRAP_SAMPLES, len(values)))
     means = values[picks].mean(axis=1)
@@ -57,6 +60,13 @@ def time_per_token(outputs: list[GenerateOutput]) -> float:
     return float(np.mean(per)) if per else float("nan")
 
 
+def speedup(greedy_s: float, method_s: float) -> float | None:
+    """Greedy's time per token over the method's; None when either had no decoded token to
+    time (every answer one token long): no figure rather than a NaN in the metrics."""
+    ratio = greedy_s / max(method_s, 1e-12)
+    return ratio if math.isfinite(ratio) else None
+
+
 def wall_seconds(outputs: list[GenerateOutput]) -> float:
     return sum(o.prefill_s + o.decode_s for o in outputs)
 
@@ -72,7 +82,7 @@ def summarize_method(
         "acceptance_length_zlab": float(zlab.mean()) if len(zlab) else 0.0,
         "acceptance_length_pooled": float(np.mean(steps)) if steps else 0.0,
         "acceptance_length_ci95": bootstrap_interval(taus, seed),
-        "speedup": time_per_token(greedy) / max(time_per_token(outputs), 1e-12),
+        "speedup": speedup(time_per_token(greedy), time_per_token(outputs)),
         "speedup_wall": wall_seconds(greedy) / max(wall_seconds(outputs), 1e-12),
         "target_forwards": len(steps),
     }

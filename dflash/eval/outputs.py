@@ -30,7 +30,8 @@ def live_summary(details: EvalDetails) -> dict[str, float]:
     flat = {k: v for k, v in shown.items() if v is not None}
     for name, base in details.baselines:
         flat[f"{name}_acceptance_length"] = base.acceptance_length
-        flat[f"{name}_speedup"] = base.speedup
+        if base.speedup is not None:
+            flat[f"{name}_speedup"] = base.speedup
     for name, loss in details.heldout_loss_by_length or ():
         if loss is not None:
             flat[f"heldout_loss_{name}"] = loss

@@ -70,7 +70,7 @@ def run(config: Config, workspace: Workspace) -> int:
             f"{base['ngram']['acceptance_length']:.3f}, untrained "
             f"{base['untrained']['acceptance_length']:.3f}; mismatches "
             f"{m['lossless_mismatches']} (near-ties {m['near_tie_divergences']}), "
-            f"decode speedup {m['speedup']:.2f}x"
+            f"decode speedup {'n/a' if m['speedup'] is None else format(m['speedup'], '.2f')}x"
         )
     return 0
 
