@@ -13,7 +13,6 @@ averaged over responses, as the reference does; the wall-clock ratio is its own 
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 import numpy as np
