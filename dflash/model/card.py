@@ -52,6 +52,8 @@ def _flat(figures: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _value(value: Any) -> str:
+    if value is None:  # a figure the run could not give (metrics' null_reasons say why)
+        return "n/a"
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, list):
