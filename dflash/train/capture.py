@@ -89,6 +89,7 @@ def manifest(path: Path) -> dict:
 
 
 def field(info: dict, key: str, path: Path) -> Any:
+    """``info[key]``: a manifest without it is a CaptureError naming the file, no KeyError."""
     if key not in info:
         raise CaptureError(
             f"{path / MANIFEST} has no {key!r}: written by another version of dflash, or "
