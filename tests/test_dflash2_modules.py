@@ -260,6 +260,20 @@ def test_fresh_selector_scores_and_walks_by_the_unary_logits():
     assert torch.equal(walk.q.argmax(-1), torch.zeros(2, 6, dtype=torch.long))
 
 
+def test_init_after_a_trainers_normal_init_restores_the_dflash_start():
+    """A trainer draws every ``Linear`` from a normal; ``init_dflash2_`` then makes each conv the
+    identity and each selector's pair term 0 again."""
+    model = nn.ModuleDict({"conv": GroupedDynamicCausalConv(H, 4, 2, GS), "sel": _selector()})
+    _randomize_(model)
+    init_dflash2_(model, std=0.02)
+    u = torch.randn(1, 8, H)
+    assert torch.equal(model["conv"].prepare(u)[0], u)
+    logits, hidden, gen = _inputs()
+    preds = torch.randint(0, V, (2, 6), generator=gen)
+    scores = model["sel"].scores(logits, hidden, preds).scores
+    assert torch.equal(scores, logits.topk(K, dim=-1).values)
+
+
 def test_the_walk_starts_from_the_anchor_and_follows_its_own_tokens():
     selector = _selector()
     logits, hidden, _ = _inputs()
