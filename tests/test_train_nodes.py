@@ -13,12 +13,14 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+from torch.distributed import run
 
 from dflash import cli
 from dflash.errors import UserError
 from dflash.lock import FAILURE_LOG
 from dflash.train.agent import meet
 from dflash.train.batches import make_loader
+from dflash.train.launch import Nodes, torchrun_args
 from dflash.train.nodes import differences, shared_params
 from dflash.workspace import Workspace
 
@@ -32,12 +34,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _node(rank: int, port: int, count: int = 2) -> Namespace:
-    """The torchrun options :func:`meet` reads, for node ``rank`` of ``count``."""
-    endpoint = f"127.0.0.1:{port}"
-    return Namespace(
-        nnodes=str(count), node_rank=rank, rdzv_backend="static", rdzv_endpoint=endpoint
-    )
+def _node(rank: int, port: int | None = None, count: int = 2) -> Namespace:
+    """torchrun's options as the launcher gives them to node ``rank`` of ``count``."""
+    nodes = Nodes(count, rank, f"127.0.0.1:{port}")
+    return run.parse_args([*torchrun_args(nodes, processes=count), "-m", "dflash.cli"])
 
 
 def _train(workspace: Path, *args: str) -> subprocess.Popen:
@@ -84,6 +84,10 @@ def test_a_worker_with_other_params_stops_every_node_in_one_line(tiny_workspace_
         assert "Traceback" not in out and "FAILED" not in out and "E1" not in out, out
         assert "dflash.cli FAILED" in (workspace / LOG).read_text()
     assert not (nodes[0] / "models/drafter/model.safetensors").exists()
+
+
+def test_one_node_meets_no_one():
+    assert meet(_node(0, count=1), 0.5) is None
 
 
 def test_the_head_names_the_node_that_never_joins():

@@ -67,9 +67,11 @@ def meet(args, timeout_s: float):
     naming who did not, within ``timeout_s``; the store (None on one node)."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import parse_min_max_nnodes
 
-    count, rank = int(args.nnodes), int(args.node_rank)
-    if args.rdzv_backend != "static" or count == 1:
+    _, count = parse_min_max_nnodes(args.nnodes)
+    rank = int(args.node_rank)
+    if args.standalone or args.rdzv_backend != "static" or count == 1:
         return None
     host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=-1)
     where = f"--rdzv-endpoint {host}:{port}"
