@@ -28,9 +28,9 @@ V, RANK, K = 40, 6, 5
 MULTIPLIER, SOFTCAP = 0.7, 3.0
 
 
-def _randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
+def _randomize_(module: nn.Module, draw: int = 0) -> nn.Module:
     """Every parameter drawn anew, so no term of a formula hides behind a zero init."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(draw)
     with torch.no_grad():
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
@@ -176,8 +176,8 @@ def test_dflash2_layers_start_as_dflash_and_keep_blocks_apart(target, drafter):
         _packed_rows(drafter, anchors, build_attention_mask),
     )
     for layer in twin.layers:
-        _randomize_(layer.attention_conv, seed=layer.self_attn.layer)
-        _randomize_(layer.mlp_conv, seed=layer.self_attn.layer + 7)
+        _randomize_(layer.attention_conv, draw=layer.self_attn.layer)
+        _randomize_(layer.mlp_conv, draw=layer.self_attn.layer + 7)
     packed = _packed_rows(twin, anchors, build_attention_mask)
     assert not torch.allclose(packed, _packed_rows(drafter, anchors, build_attention_mask))
     for a in range(len(anchors)):
@@ -210,11 +210,11 @@ def test_dflash2_layer_wraps_the_sublayers_as_written(drafter):
 
 def _selector(pair: bool = True) -> CandidateSelector:
     selector = CandidateSelector(V, H, RANK, K).double()
-    return _randomize_(selector, seed=5) if pair else selector
+    return _randomize_(selector, draw=5) if pair else selector
 
 
-def _inputs(shape=(2, 6), seed: int = 2):
-    gen = torch.Generator().manual_seed(seed)
+def _inputs(shape=(2, 6), draw: int = 2):
+    gen = torch.Generator().manual_seed(draw)
     logits = torch.randn(*shape, V, generator=gen, dtype=torch.float64) * 3
     hidden = torch.randn(*shape, H, generator=gen, dtype=torch.float64)
     return logits, hidden, gen
@@ -294,8 +294,8 @@ def test_sampled_walk_draws_from_the_k_way_softmax_repeatably():
     logits, hidden, _ = _inputs(shape=(3, 5))
     anchor = torch.tensor([1, 2, 3])
 
-    def walk(seed: int):
-        gen = torch.Generator().manual_seed(seed)
+    def walk(draw: int):
+        gen = torch.Generator().manual_seed(draw)
         return selector.walk(logits, hidden, anchor, temperature=0.7, generator=gen)
 
     first = walk(11)
