@@ -142,12 +142,11 @@ def test_a_rank_that_crashes_prints_one_line_and_logs_its_traceback(tmp_path, mo
     assert log.read_text().startswith("rank 1: ")
 
 
-def test_loader_workers_do_not_fork_from_the_rank():
+def test_loader_workers_are_spawned_not_forked_from_the_rank():
     """torch's worker loop calls torch.set_num_threads(1) first; forked from a rank whose
-    threads held torch's thread-pool lock, the call waited forever."""
-    workers = make_loader([0, 1], num_workers=1, prefetch=2, pin_memory=False)
-    assert workers.multiprocessing_context.get_start_method() == "forkserver"
-    assert (
-        make_loader([0, 1], num_workers=0, prefetch=2, pin_memory=False).multiprocessing_context
-        is None
-    )
+    threads held torch's thread-pool lock, the call waited forever. Spawned, a worker is still
+    the rank's child and dies with it (a fork server's children outlived the rank)."""
+    loader = make_loader([0, 1], num_workers=1, prefetch=1, pin_memory=False)
+    assert loader.multiprocessing_context.get_start_method() == "spawn"
+    in_process = make_loader([0, 1], num_workers=0, prefetch=1, pin_memory=False)
+    assert in_process.multiprocessing_context is None

@@ -228,8 +228,8 @@ def make_loader(
     """A DataLoader that prepares whole steps ahead of compute in background workers.
 
     The workers persist from one epoch to the next (starting a pool per epoch costs a process
-    each time), and start from a fork server (:func:`worker_context`). An exception in a worker
-    is re-raised in the training process by the DataLoader, so the run stops with it (and
+    each time), and start fresh (:func:`worker_context`). An exception in a worker is
+    re-raised in the training process by the DataLoader, so the run stops with it (and
     ``torchrun`` stops the other ranks) instead of waiting forever.
     """
     return torch.utils.data.DataLoader(
@@ -249,15 +249,14 @@ def make_loader(
 
 
 def worker_context() -> multiprocessing.context.BaseContext:
-    """Loader workers fork from a server process that imported torch and this module once and
-    ran nothing: never from the rank. torch's worker loop calls ``torch.set_num_threads(1)``
-    first, and in a child forked from a rank whose threads held a lock of torch's thread pool
-    at that moment, the call waits on the lock forever (once in ~25 runs under load), leaving
-    the worker and its rank hung. The server holds no such lock; it exits with its rank, and
-    its workers then die with it (:func:`_die_with_rank`)."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", __name__])
-    return context
+    """Loader workers start as fresh processes (spawn), never forked from the rank: torch's
+    worker loop calls ``torch.set_num_threads(1)`` first, and in a child forked from a rank
+    whose threads held a lock of torch's thread pool at that moment, the call waited on the lock
+    forever (once in ~25 runs under load), leaving the worker and its rank hung. A spawned
+    worker imports torch itself (seconds, once a run: the workers persist), and it is still the
+    rank's child, so it dies with the rank (:func:`_die_with_rank`); a fork server's children
+    would outlive it."""
+    return multiprocessing.get_context("spawn")
 
 
 def _die_with_rank(worker_id: int) -> None:
