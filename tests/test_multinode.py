@@ -10,13 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from argparse import ArgumentParser, Namespace
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import checkpoint_written
 
 from dflash.config import TrainConfig
 from dflash.errors import UserError
@@ -40,13 +38,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(workspace: Path, *args: str) -> subprocess.Popen:
+def _train(workspace: Path, *args: str, env: dict[str, str] = ENV) -> subprocess.Popen:
     """Output to a file, not a pipe: a node blocked on a full pipe would hold the others at
     torchrun's exit barrier."""
     cmd = [sys.executable, "-m", "dflash.cli", "train", *args]
     log = workspace.with_name(workspace.name + ".log")
     with log.open("w") as f:
-        job = subprocess.Popen(cmd, cwd=workspace, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+        job = subprocess.Popen(cmd, cwd=workspace, env=env, stdout=f, stderr=subprocess.STDOUT)
     job.log = log
     return job
 
@@ -135,18 +133,19 @@ def test_a_checkpoint_directory_not_shared_is_refused(tiny_workspace_template, t
 
 @pytest.mark.slow
 def test_a_killed_rank_restarts_from_its_checkpoint_to_the_same_drafter(
-    one_node, tiny_workspace_template, tmp_path
+    one_node, tiny_workspace_template, tmp_path, hold
 ):
+    """A rank killed while the ranks hold after checkpoint 2 (tests/hold.py): torchrun
+    restarts them, and they resume at step 2 (the restarted ranks save step 2 no more)."""
     workspace = tmp_path / "ws"
     shutil.copytree(tiny_workspace_template, workspace)
-    job = _train(workspace, "--set=train.max_restarts=1")
-    while not checkpoint_written(workspace, 2):  # a condition, not a guess at the time
-        assert job.poll() is None, job.log.read_text()
-        time.sleep(0.05)
+    job = _train(workspace, "--set=train.max_restarts=1", env=hold.env(2, ENV))
+    hold.wait(job)
     ranks = [p for p in psutil.Process(job.pid).children(recursive=True) if _rank(p.cmdline())]
     os.kill(max(p.pid for p in ranks), signal.SIGKILL)
     out = _output(job)
     assert job.returncode == 0, out
+    assert "(global step 2)" in out.partition("resumed at")[2], out
     assert json.loads((workspace / DETAILS).read_text())["restarts"] == 1
     assert _weights(workspace) == _weights(one_node)
 

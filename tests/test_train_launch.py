@@ -7,13 +7,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import checkpoint_written, survivors
+from conftest import survivors
 
 from dflash.errors import ConfigError
 from dflash.lock import WorkspaceBusy, workspace_lock
@@ -121,24 +120,18 @@ def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace):
+def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace, hold):
+    """Killed while the ranks hold after their first checkpoint (tests/hold.py): mid-run."""
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--set=train.checkpoint_every=1"]
     launcher = subprocess.Popen(
         cmd,
         cwd=tiny_workspace,
-        env=ENV,
+        env=hold.env(1, ENV),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.time() + 300
-    while (
-        time.time() < deadline
-        and not checkpoint_written(tiny_workspace, 1)
-        and launcher.poll() is None
-    ):
-        time.sleep(0.05)
-    assert checkpoint_written(tiny_workspace, 1), "training never reached its first checkpoint"
+    hold.wait(launcher)
     tree = psutil.Process(launcher.pid).children(recursive=True)
     ranks = [p for p in tree if "torch.distributed.run" not in " ".join(p.cmdline())]
     assert len(ranks) == 2 and len(tree) == 3  # the torchrun agent and its two ranks
