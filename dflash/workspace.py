@@ -100,8 +100,8 @@ class Workspace:
     )
     train_failures = _at(
         ".dflash/train-failures.log",
-        "A failed train job's full report (torchrun's, the ranks' tracebacks): the terminal shows "
-        "one line naming it (:mod:`dflash.train.agent`).",
+        "torchrun's log records and, for a failed train job, its report and the ranks' "
+        "tracebacks: the terminal shows one line naming it (:mod:`dflash.train.agent`).",
     )
     train_metrics = _at(
         "metrics/train.json",
