@@ -68,7 +68,7 @@ def _two_nodes(head: Path, worker: Path, *sets: str) -> list[tuple[int, str]]:
 
 
 def _rank(cmdline: list[str]) -> bool:
-    return "dflash.cli" in cmdline and "torch.distributed.run" not in cmdline
+    return "dflash.cli" in cmdline and "dflash.train.agent" not in cmdline
 
 
 def _weights(workspace: Path) -> bytes:

@@ -133,7 +133,7 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace, hold
     )
     hold.wait(launcher)
     tree = psutil.Process(launcher.pid).children(recursive=True)
-    ranks = [p for p in tree if "torch.distributed.run" not in " ".join(p.cmdline())]
+    ranks = [p for p in tree if "dflash.train.agent" not in " ".join(p.cmdline())]
     assert len(ranks) == 2 and len(tree) == 3  # the torchrun agent and its two ranks
     os.killpg(launcher.pid, signal.SIGKILL)
     launcher.wait()
