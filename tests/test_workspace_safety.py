@@ -9,14 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import checkpoint_written, run_stages, survivors
+from conftest import run_stages, survivors
 
 from dflash import cli
 from dflash import fingerprint as fingerprints
@@ -292,25 +291,22 @@ def _as_from_a_terminal() -> None:
 
 
 @pytest.mark.slow
-def test_ctrl_c_on_train_stops_every_rank_and_exits_130(tiny_workspace):
+def test_ctrl_c_on_train_stops_every_rank_and_exits_130(tiny_workspace, hold):
     """Ctrl-C goes to the launcher's process group: every process of the job ends, the
-    launcher says so in one line, and the run resumes later."""
-    long = ["train.epochs=30"]  # minutes of steps: the interrupt comes mid-run
-    run_stages(tiny_workspace, ["plan"], long)
+    launcher says so in one line, and the run resumes later. The ranks hold after their
+    first checkpoint (tests/hold.py): the interrupt comes mid-run."""
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--set=train.checkpoint_every=1"]
-    cmd += ["--set=train.num_workers=1", *(f"--set={o}" for o in long)]
+    cmd += ["--set=train.num_workers=1"]
     launcher = subprocess.Popen(
         cmd,
         cwd=tiny_workspace,
-        env=ENV,
+        env=hold.env(1, ENV),
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
         preexec_fn=_as_from_a_terminal,
     )
-    deadline = time.time() + 300
-    while time.time() < deadline and not checkpoint_written(tiny_workspace, 1):
-        time.sleep(0.05)
+    hold.wait(launcher)
     tree = psutil.Process(launcher.pid).children(recursive=True)
     assert len(tree) >= 4, tree  # torchrun, two ranks, their loader workers
     commands = {p.pid: " ".join(p.cmdline()) for p in tree}
