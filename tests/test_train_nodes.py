@@ -17,8 +17,10 @@ import pytest
 from torch.distributed import run
 
 from dflash import cli
+from dflash.config import Config, TrainConfig
 from dflash.errors import UserError
 from dflash.lock import FAILURE_LOG
+from dflash.stages import train as train_stage
 from dflash.train.agent import meet
 from dflash.train.batches import make_loader
 from dflash.train.launch import Nodes, torchrun_args
@@ -152,3 +154,12 @@ def test_loader_workers_are_spawned_not_forked_from_the_rank():
     assert loader.multiprocessing_context.get_start_method() == "spawn"
     in_process = make_loader([0, 1], num_workers=0, prefetch=1, pin_memory=False)
     assert in_process.multiprocessing_context is None
+
+
+def test_a_decoupled_job_names_the_failed_ranks_role(tmp_path, capsys):
+    config = Config(train=TrainConfig(topology="decoupled", world_size=1, target_ranks=2))
+    assert train_stage._outcome(config, Workspace(tmp_path), 1, failed=2) == 1
+    assert capsys.readouterr().err == (
+        "dflash train: rank 2 (target) failed; ranks 0-0 train the drafter, ranks 1-2 run the "
+        "target\n"
+    )

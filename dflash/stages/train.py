@@ -134,7 +134,7 @@ def _torchrun(
 ) -> int:
     from dflash.train import agent
     from dflash.train.launch import torchrun_args, worker_command
-    from dflash.train.ranks import RankLayout, processes
+    from dflash.train.ranks import processes
 
     if nodes.many and nodes.rank == 0:
         joins = "\n".join(f"  {worker_command(nodes, options, r)}" for r in range(1, nodes.count))
@@ -169,6 +169,15 @@ def _torchrun(
         code = _wait(job)
         if code != 0 and refused(Path(scratch)):
             code = 2  # a rank refused the input: the user's to fix, as on one process
+        failed = agent.first_failure(Path(scratch))
+    return _outcome(config, workspace, code, failed)
+
+
+def _outcome(config: Config, workspace: Workspace, code: int, failed: int | None) -> int:
+    """The job's exit status, said: a run that wrote its outputs whole is complete whatever
+    rank failed after; in a decoupled job, the failed rank's role."""
+    from dflash.train.ranks import RankLayout
+
     if code != 0 and _finished(workspace):
         print(
             f"dflash train: a rank exited {code} after the run had written its outputs whole "
@@ -178,8 +187,9 @@ def _torchrun(
         return 0
     t = config.train
     if code != 0 and t.topology == "decoupled":
-        roles = RankLayout(t.world_size, t.target_ranks).roles()
-        print(f"dflash train: a rank failed (named above); {roles}", file=sys.stderr)
+        layout = RankLayout(t.world_size, t.target_ranks)
+        which = "a rank" if failed is None else layout.describe(failed)
+        print(f"dflash train: {which} failed; {layout.roles()}", file=sys.stderr)
     return code
 
 

@@ -26,10 +26,13 @@ from pathlib import Path
 from typing import TypeVar
 
 from dflash.errors import UserError
-from dflash.lock import FAILURE_LOG
+from dflash.lock import EXIT_DIR, FAILURE_LOG
 
 JOINED = "dflash-joined"
 """Key prefix each node sets on the head's store as it arrives (torchrun's keys have others)."""
+
+FIRST_FAILURE = "first-failure"
+"""The file in the launcher's ``EXIT_DIR`` naming the global rank that failed first."""
 
 REFUSED = 2
 """The agent's exit status when the nodes did not meet: the user's to fix (start the node,
@@ -53,6 +56,7 @@ def main(argv: list[str]) -> int:
         os._exit(REFUSED)  # a thread may still wait on a port that never answers
     except ChildFailedError as err:
         append(log, err.format_msg())
+        _leave_first_failure(err)
         print(f"dflash train: {_first_failure(err)}; torchrun's report: {log}", file=sys.stderr)
         return 1
     except DistError as err:  # the agents' store, after the nodes met: a node left
@@ -132,6 +136,20 @@ def _bounded(call: Callable[[], T], timeout_s: float, late: str) -> T:
     if "error" in result:
         raise result["error"]
     return result["value"]
+
+
+def first_failure(where: Path) -> int | None:
+    """The global rank that failed first, as the agent left it in ``where`` (the launcher's
+    ``EXIT_DIR``); None if no rank failed."""
+    path = where / FIRST_FAILURE
+    return int(path.read_text()) if path.exists() else None
+
+
+def _leave_first_failure(err: Exception) -> None:
+    where = os.environ.get(EXIT_DIR)
+    if where:
+        rank, _ = err.get_first_failure()
+        (Path(where) / FIRST_FAILURE).write_text(str(rank))
 
 
 def _first_failure(err: Exception) -> str:
