@@ -194,13 +194,13 @@ def _report_crash(stage: str, err: Exception) -> None:
     """A rank's unexpected error: its traceback in the job's failure log, where the launcher
     set one (:mod:`dflash.train.agent`), and one line naming the rank, the error and the log;
     else the traceback."""
-    log = os.environ.get(FAILURE_LOG)
-    if not log:
-        traceback.print_exc()
+    log, rank = os.environ.get(FAILURE_LOG), os.environ.get("RANK", "0")
+    try:
+        with open(log or "", "a") as f:
+            f.write(f"rank {rank}: {''.join(traceback.format_exception(err))}")
+    except OSError:  # no log (torchrun run by hand), or none to write
+        traceback.print_exception(err)
         return
-    rank = os.environ.get("RANK", "0")
-    with open(log, "a") as f:
-        f.write(f"rank {rank}: {''.join(traceback.format_exception(err))}")
     message = next(iter(str(err).strip().splitlines()), "")
     print(
         f"dflash {stage}: rank {rank}: {type(err).__name__}: {message} (traceback: {log})",
