@@ -2,11 +2,12 @@
 
 Every node runs ``dflash train`` with the same params in its own copy of the workspace; the
 head (node 0, the one ``dvc repro`` runs) prints the command each worker runs. The nodes meet
-through torchrun's static rendezvous at the endpoint, which the head hosts: it keeps the
-node ranks given here, so global rank 0, the one writer of exports and metrics, is on the
-head. (c10d's rendezvous orders nodes by host name and process id, which can put rank 0 on
-a worker.) ``train.world_size`` stays the number of drafter ranks the plan is made for; each
-node runs its share of them.
+at the endpoint, which the head hosts, within ``train.rendezvous_timeout_s``
+(:mod:`dflash.train.agent`), then through torchrun's static rendezvous: it keeps the node ranks
+given here, so global rank 0, the one writer of exports and metrics, is on the head. (c10d's
+rendezvous orders nodes by host name and process id, which can put rank 0 on a worker.)
+``train.world_size`` stays the number of drafter ranks the plan is made for; each node runs its
+share of them.
 """
 
 from __future__ import annotations
