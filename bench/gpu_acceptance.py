@@ -364,7 +364,7 @@ def step_flops(target, drafter, mb) -> float:
 
 
 # ---------------------------------------------------------------- engine check
-def engine_checks(url: str, target_dir: str, n_features: int) -> list[Check]:
+def engine_checks(url: str, target_dir: str, n_features: int, states: str) -> list[Check]:
     """A vLLM ``extract_hidden_states`` server's features of a few documents against the same
     target's colocated ones (docs/engines.md): the relative error of bf16 engines' states."""
     import torch
@@ -378,7 +378,8 @@ def engine_checks(url: str, target_dir: str, n_features: int) -> list[Check]:
     text = target.config.get_text_config()
     layers = target_layer_ids(text.num_hidden_layers, n_features)
     dtype = target.get_input_embeddings().weight.dtype
-    client = EngineClient([url], hidden_transfer("file"), len(layers), text.hidden_size, dtype)
+    transfer = hidden_transfer("file", Path(states))
+    client = EngineClient([url], transfer, len(layers), text.hidden_size, dtype)
     worst = 0.0
     for length in (17, 300, 2048):
         ids = torch.randint(100, min(text.vocab_size, 30000), (1, length))
@@ -406,12 +407,19 @@ def run_all(groups: dict[str, Callable[[], list[Check]]]) -> int:
 
 
 def main() -> int:
+    from dflash.workspace import RELATIVE
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs without a GPU")
     parser.add_argument("--keep", action="store_true", help="keep the temporary workspaces")
     parser.add_argument("--engine-url", help="a vLLM extract_hidden_states server's /v1 URL")
     parser.add_argument("--engine-target", help="the model directory that server serves")
     parser.add_argument("--engine-features", type=int, default=5, help="layers it extracts")
+    parser.add_argument(
+        "--engine-states",
+        default=str(RELATIVE.hidden_states),
+        help="where that server's connector writes (its shared_storage_path)",
+    )
     args = parser.parse_args()
     import torch
 
@@ -427,7 +435,7 @@ def main() -> int:
         }
         if args.engine_url:
             groups["engine"] = lambda: engine_checks(
-                args.engine_url, args.engine_target, args.engine_features
+                args.engine_url, args.engine_target, args.engine_features, args.engine_states
             )
         return run_all(groups)
     finally:

@@ -74,6 +74,11 @@ class Workspace:
         "The target's features per sample, in hs-connectors' file format (:mod:`dflash.train."
         "capture`), or only its manifest.",
     )
+    hidden_states = _at(
+        "data/hidden_states",
+        "Where engines' connectors write hidden states (their ``shared_storage_path``, or a link "
+        "to it): the one directory whose files the engine client reads and deletes.",
+    )
     plans = _at("data/plans", "Every epoch's plan (:mod:`dflash.batching.io`).")
     plan_metrics = _at(
         "metrics/plan.json",

@@ -72,7 +72,7 @@ def no_backoff(monkeypatch):
 
 
 def client(
-    *endpoints: str, directory: Path | None = None, retries: int = 0, timeout_s: float = 30.0
+    *endpoints: str, directory: Path, retries: int = 0, timeout_s: float = 30.0
 ) -> EngineClient:
     return EngineClient(
         list(endpoints), hidden_transfer("file", directory), len(LAYERS), 32, torch.float32,
@@ -194,10 +194,12 @@ def test_a_fault_then_a_good_answer_trains_on_the_good_one(target, engine):
     torch.testing.assert_close(states, want, atol=1e-5, rtol=0)
 
 
-def test_a_server_that_is_down_is_named():
+def test_a_server_that_is_down_is_named(tmp_path):
     down = f"http://127.0.0.1:{free_port()}/v1"
     with pytest.raises(EngineError, match=down.replace(".", r"\.")):
-        client(down, retries=1).states([5, 6, 7], "micro-batch 3 of drafter rank 1, sample 9")
+        client(down, directory=tmp_path, retries=1).states(
+            [5, 6, 7], "micro-batch 3 of drafter rank 1, sample 9"
+        )
 
 
 class Watched:
@@ -335,7 +337,7 @@ def test_kl_from_files_needs_the_last_hidden_state_and_ce_reads_past_it(tmp_path
         torch.testing.assert_close(fetch(0, doc, "sample 0"), states[:, :keep].flatten(1))
 
 
-def test_engine_params_are_checked():
+def test_engine_params_are_checked(tmp_path):
     with pytest.raises(ValueError, match="engine.endpoints"):
         Config.model_validate({"train": {"topology": "engine"}})
     with pytest.raises(ValueError, match="train.features"):
@@ -347,7 +349,7 @@ def test_engine_params_are_checked():
             kl | {"train": {"topology": "engine"}, "engine": {"endpoints": ["http://h/v1"]}}
         )
     with pytest.raises(ConfigError, match="mooncake"):
-        hidden_transfer("mooncake")
+        hidden_transfer("mooncake", tmp_path)
 
 
 # ------------------------------------------------------------------ training end to end
@@ -401,7 +403,7 @@ def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_dr
     assert reference["target_forwards"] > 0
 
     target = load_target(base / WS.target, device="cpu")
-    states = served / hidden_states.STATES_DIR  # the client's directory in that workspace
+    states = served / WS.hidden_states  # the client's directory in that workspace
     with StandInEngine(target, engine_layer_ids(LAYERS), states) as engine:
         details = train(served, "train.topology=engine", f"engine.endpoints=[{engine.url}]")
     same_drafter(base, served)

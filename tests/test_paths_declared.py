@@ -20,6 +20,7 @@ UNDECLARED = {
     WS.train_failures: "the workspace's own state: a failed job's report",
     WS.checkpoints: "resume state: never an output (dvc.yaml's header)",
     WS.regenerated_shards: "resume state: never an output (dvc.yaml's header)",
+    WS.hidden_states: "the engines' drop box: each file is read once, then deleted",
 }
 """The workspace's paths that ``dvc.yaml`` must not name, and why."""
 

@@ -32,10 +32,6 @@ from dflash.errors import ConfigError, UserError
 BACKOFF_S = 0.5
 """First wait before a retry, doubled each time."""
 
-STATES_DIR = Path("data/hidden_states")
-"""Where the servers' connector writes (their ``shared_storage_path``, or a link to it), under
-the workspace a run starts in: the one directory whose files the client reads and deletes."""
-
 QUOTED_CHARS = 300
 """How much of an error answer's body a failure quotes."""
 
@@ -59,9 +55,10 @@ def engine_layer_ids(layer_ids: list[int]) -> list[int]:
     return [i + 1 for i in layer_ids]
 
 
-def hidden_transfer(backend: str, directory: Path | None = None):
-    """The hs-connectors reader of ``backend``, of the files in ``directory`` (by default the
-    engines' :data:`STATES_DIR`): exit-2 material when it cannot be had."""
+def hidden_transfer(backend: str, directory: Path):
+    """The hs-connectors reader of ``backend``, of the files in ``directory`` (the workspace's
+    ``hidden_states``, where the servers' connector writes): exit-2 material when it cannot be
+    had. The client reads and deletes files in that directory only."""
     try:
         import hs_connectors
     except ImportError as err:
@@ -70,7 +67,7 @@ def hidden_transfer(backend: str, directory: Path | None = None):
             "(pip install 'dflash[engine]', Python >= 3.11)"
         ) from err
     if backend == "file":
-        return hs_connectors.FileTransfer(Path(directory or STATES_DIR))
+        return hs_connectors.FileTransfer(Path(directory))
     try:
         import mooncake.store  # noqa: F401
     except ImportError as err:

@@ -26,4 +26,5 @@ def run(config: Config, workspace: Workspace) -> None:
         workspace.heldout,
         workspace.tokenizer,
         params,
+        workspace.hidden_states,
     )

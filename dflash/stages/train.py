@@ -71,6 +71,7 @@ def train_files(workspace: Workspace, config: Config) -> TrainFiles:
         steps=w.train_steps,
         buckets=w.stats_buckets,
         features=w.features,
+        hidden_states=w.hidden_states,
     )
 
 

@@ -290,11 +290,13 @@ def capture(
     heldout: Path | None = None,
     tokenizer: Path | None = None,
     params: dict[str, Any] | None = None,
+    states: Path | None = None,
 ) -> dict:
     """Write ``out`` whole: the manifest, and with ``train.features: files`` every sample (and
     from the target in process, the held-out τ batch from ``heldout`` with ``tokenizer``).
     The manifest records ``params`` (the stage's, dotted), the target's digest and each
-    file's size and digest, which training checks."""
+    file's size and digest, which training checks. From engines, their files are read in
+    ``states``."""
     store = TokenStore(tokenized)
     files = config.train.features == "files"
     layer_ids, hidden = target_geometry(config.drafter, target_dir, init)
@@ -322,7 +324,7 @@ def capture(
     with atomic_dir(out) as tmp:
         if files:
             produce, row = _producer(
-                config, target_dir, layer_ids, hidden, last, heldout, tokenizer
+                config, target_dir, layer_ids, hidden, last, heldout, tokenizer, states
             )
             written = {} if row is None else {HELDOUT: write_file(tmp, HELDOUT, _cpu(row))}
             for sample_id in range(len(store)):
@@ -340,10 +342,10 @@ def _cpu(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value.cpu() for key, value in row.items()}
 
 
-def _producer(config, target_dir, layer_ids, hidden, last, heldout, tokenizer):
+def _producer(config, target_dir, layer_ids, hidden, last, heldout, tokenizer, states):
     """What makes each sample's states, and the held-out τ batch (None from the engines)."""
     if config.train.topology == "engine":
-        return _engine(config, layer_ids, hidden, target_device_dtype()[1]), None
+        return _engine(config, layer_ids, hidden, target_device_dtype()[1], states), None
     target = _load(target_dir)
     row = _heldout_row(config, target, layer_ids, heldout, tokenizer)
     return _target(target, layer_ids, last), row
@@ -397,10 +399,12 @@ def _heldout_row(
     )  # fmt: skip
 
 
-def _engine(config: Config, layer_ids: list[int], hidden: int, dtype: torch.dtype):
+def _engine(
+    config: Config, layer_ids: list[int], hidden: int, dtype: torch.dtype, states: Path | None
+):
     e = config.engine
     client = EngineClient(
-        e.endpoints, hidden_transfer(e.backend), len(layer_ids), hidden, dtype,
+        e.endpoints, hidden_transfer(e.backend, states), len(layer_ids), hidden, dtype,
         model=e.model, timeout_s=e.timeout_s, max_retries=e.max_retries,
     )  # fmt: skip
     return client.states

@@ -162,7 +162,7 @@ def document_features(
         width = (n + last) * hidden
         return DocumentFeatures(fetch, store, ctx, width, dtype, t.feature_prefetch, 2)
     client = EngineClient(
-        e.endpoints, hidden_transfer(e.backend), n, hidden, dtype,
+        e.endpoints, hidden_transfer(e.backend, files.hidden_states), n, hidden, dtype,
         model=e.model, timeout_s=e.timeout_s, max_retries=e.max_retries,
     )  # fmt: skip
     workers = REQUESTS_PER_ENDPOINT * len(e.endpoints)

@@ -39,6 +39,8 @@ class TrainFiles:
     """The stats stage's ``buckets.json``: the length classes the loss is plotted by."""
     features: Path | None = None
     """The capture stage's features, read with ``train.features: files``."""
+    hidden_states: Path | None = None
+    """Where engines write the states ``train.topology: engine`` reads (and deletes)."""
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ def check_features(config: Config, files: TrainFiles, samples: int) -> None:
         check_capture(files.features, *geometry, last=distills(config), config=config)
         check_files(files.features, samples, files.target)
     else:
-        hidden_transfer(config.engine.backend)
+        hidden_transfer(config.engine.backend, files.hidden_states)
 
 
 def check_drafter(config: Config, files: TrainFiles) -> None:
