@@ -283,8 +283,8 @@ class TrainConfig(Section):
     """Newest checkpoints of a run kept on disk: a run knob."""
     keep_runs: Int = Field(3, ge=1)
     """Runs (params, data, code) whose checkpoints are kept on disk, this one included; the
-    least recently written past it are removed when a run starts: a run knob. ``dflash
-    clean`` lists and removes them."""
+    least recently written past it are removed when a run starts, except one a live process
+    trains (its ``run.lock`` is held): a run knob. ``dflash clean`` lists and removes them."""
     checkpoint_dir: str | None = None
     """Where checkpoints are kept, relative to the workspace or absolute (null: checkpoints/);
     across nodes a directory every node mounts at the same path, checked before training: a
@@ -296,7 +296,7 @@ class TrainConfig(Section):
     """Seconds the nodes of a job spanning several wait for each other to meet before giving
     up, the head naming those that never came: a run knob, each node's own."""
     max_nonfinite_steps: Int = Field(10, ge=1)
-    """Consecutive non-finite losses tolerated (each skips its step) before the run stops."""
+    """Non-finite losses in a row that stop the run; each one before skips its step."""
     num_workers: Int = Field(1, ge=0)
     """DataLoader worker processes per rank: a run knob."""
     prefetch: Int = Field(4, ge=1)
