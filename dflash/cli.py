@@ -19,7 +19,7 @@ from typing import NoReturn
 from dflash import logs, provenance
 from dflash.config import Config
 from dflash.declaration import COMMANDS, restrict, stages
-from dflash.errors import ConfigError, OutputError, UserError
+from dflash.errors import ConfigError, OutputError, RunStopped, UserError
 from dflash.fileio import SIGINT_EXIT, SIGTERM_EXIT, exit_on_sigterm
 from dflash.lock import FAILURE_LOG, launched_by_torchrun, record_exit, workspace_lock
 from dflash.params import load_config
@@ -170,7 +170,7 @@ def _run(stage: str | None, args: argparse.Namespace) -> int:
             raise
         print(f"dflash {stage}: terminated (SIGTERM); rerun to resume", file=sys.stderr)
         return SIGTERM_EXIT
-    except (UserError, FileNotFoundError, OutputError) as err:
+    except (UserError, FileNotFoundError, OutputError, RunStopped) as err:
         code = _report(stage, err)
         if launched_by_torchrun():
             _exit_rank(code)  # here, while ``err`` still holds what it would free
@@ -187,7 +187,7 @@ def _report(stage: str, err: Exception) -> int:
     (disk full, no permission, read-only)."""
     missing = isinstance(err, FileNotFoundError) and err.filename
     print(f"dflash {stage}: {f'no such file: {missing}' if missing else err}", file=sys.stderr)
-    return 1 if isinstance(err, OutputError) else 2
+    return 1 if isinstance(err, OutputError | RunStopped) else 2
 
 
 def _report_crash(stage: str, err: Exception) -> None:

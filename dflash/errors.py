@@ -2,7 +2,8 @@
 
 The command line turns a ``UserError`` into its message and exit status 2, with no traceback:
 a bad param, an input file that is missing or malformed, a stage to run first. An
-``OutputError`` is the machine's fault (disk full, no permission): one line and exit 1.
+``OutputError`` is the machine's fault (disk full, no permission) and a ``RunStopped`` a run
+that cannot go on: one line and exit 1.
 """
 
 import errno
@@ -29,6 +30,11 @@ class DirectoryInUse(UserError, FileExistsError):
 class UndeclaredParamError(RuntimeError):
     """A stage read a param that ``dvc.yaml`` does not declare for it: a bug in the code or the
     declaration, never the user's, so it is no ``UserError`` and keeps its traceback."""
+
+
+class RunStopped(RuntimeError):
+    """A run that cannot go on, for a reason its message names (too many non-finite losses):
+    one line and exit 1, as for the machine's faults; its outputs are left as they were."""
 
 
 class OutputError(RuntimeError):

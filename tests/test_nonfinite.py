@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import run_stages
@@ -49,3 +51,17 @@ def test_nonfinite_steps_are_skipped_and_enough_in_a_row_stop_the_run(tiny_works
     assert same(weights[2], weights[3])  # step 3 skipped
     assert all(torch.isfinite(v).all() for v in weights[3].values())
     assert not (tiny_workspace / "models/drafter").exists()
+
+
+def test_a_run_that_stops_ends_in_one_line_and_exit_1(monkeypatch, capsys):
+    """The exit-status table (docs/pipeline.md): a run that cannot go on is one line, exit 1."""
+    from dflash import cli
+
+    def stopped(*args, **kwargs):
+        raise TrainingError("2 non-finite losses in a row (train.max_nonfinite_steps = 2)")
+
+    monkeypatch.setattr(cli, "run_stage", stopped)
+    params = Path(__file__).parents[1] / "params.yaml"
+    assert cli.main(["train", "--params", str(params)]) == 1
+    err = capsys.readouterr().err
+    assert err == "dflash train: 2 non-finite losses in a row (train.max_nonfinite_steps = 2)\n"

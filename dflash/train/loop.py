@@ -23,7 +23,7 @@ from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
 from dflash.config import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
-from dflash.errors import ConfigError
+from dflash.errors import ConfigError, RunStopped
 from dflash.fileio import remove_files
 from dflash.fingerprint import path_digest
 from dflash.headline import write_metrics
@@ -71,7 +71,7 @@ from dflash.train.topology import Placement, feature_source
 logger = logging.getLogger(__name__)
 
 
-class TrainingError(RuntimeError):
+class TrainingError(RunStopped):
     """The run cannot go on (too many non-finite losses, a stale plan, ...)."""
 
 
