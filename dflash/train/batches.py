@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
@@ -256,7 +257,22 @@ def worker_context() -> multiprocessing.context.BaseContext:
     worker imports torch itself (seconds, once a run: the workers persist), and it is still the
     rank's child, so it dies with the rank (:func:`_die_with_rank`); a fork server's children
     would outlive it."""
+    _quiet_resource_tracker()
     return multiprocessing.get_context("spawn")
+
+
+TRACKER_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
+"""The ``-W`` option that keeps the resource tracker from warning of leaked semaphores."""
+
+
+def _quiet_resource_tracker() -> None:
+    """Spawned workers' queues register their semaphores with Python's resource tracker, a
+    process the rank starts with the rank's ``-W`` options. A rank stopped by a signal ends
+    without teardown (:func:`dflash.cli._exit_rank`), so the tracker removes the semaphores and
+    warns of each, in lines printed after the run's own last line. Those removals are
+    expected, so the tracker is told not to warn."""
+    if TRACKER_WARNINGS not in sys.warnoptions:
+        sys.warnoptions.append(TRACKER_WARNINGS)
 
 
 def _die_with_rank(worker_id: int) -> None:
