@@ -21,13 +21,13 @@ class DataConfig(Section):
     """``chitchat`` (the PyPI package) or a ``.jsonl`` / ``.parquet`` file under data/raw/."""
     eval_fraction: Float = Field(0.05, ge=0.0, le=0.5)
     """Share of conversations held out for evaluation, split deterministically by content."""
-    max_seq_len: Int = Field(1024, ge=8)
+    max_seq_len: Int = Field(512, ge=8)
     """Longest sample in tokens; longer ones follow ``overlength``."""
     overlength: Literal["truncate", "drop"] = "truncate"
     """What a sample longer than ``max_seq_len`` becomes: cut to it, or left out (counted)."""
     regenerate: bool = True
     """Train on the target's own answers, as DFlash does; false keeps the corpus's answers."""
-    max_conversations: Int | None = Field(None, ge=1)
+    max_conversations: Int | None = Field(1000, ge=1)
     """Keep only the first N conversations after ingest (None = all); for quick runs."""
     chunk_size: Int = Field(1024, ge=1)
     """Records tokenized per chunk: bounds memory of the tokenize stage."""
@@ -71,13 +71,13 @@ class TargetConfig(Section):
     """Attention heads of the tiny default target."""
     num_key_value_heads: Int = Field(2, ge=1)
     """Key/value heads of the tiny default target (grouped-query attention)."""
-    pretrain_epochs: Int = Field(2, ge=0)
+    pretrain_epochs: Int = Field(3, ge=0)
     """Epochs of the tiny default target's pretraining on the corpus."""
-    pretrain_lr: Float = Field(1.0e-2, ge=0.0)
+    pretrain_lr: Float = Field(5.0e-3, ge=0.0)
     """Peak learning rate of that pretraining."""
-    pretrain_batch_tokens: Int = Field(4096, ge=1)
+    pretrain_batch_tokens: Int = Field(1024, ge=1)
     """Tokens per pretraining batch: small batches, many steps."""
-    end_token_weight: Float = Field(1.0, ge=1.0)
+    end_token_weight: Float = Field(2.0, ge=1.0)
     """Loss weight of the end-of-turn token in pretraining; w > 1 makes turns end sooner."""
     seed: Int = Field(0, ge=0)
     """Seed of the tiny target's initialisation and pretraining order."""
@@ -153,7 +153,7 @@ class DrafterConfig(Section):
     ``init_from``'s checkpoint, whose layer ids are kept."""
     gamma: Float = Field(7.0, ge=1e-6)
     """Loss decay: slot k weighs exp(-(k-1)/gamma)."""
-    anchors_per_sequence: Int = Field(512, ge=1)
+    anchors_per_sequence: Int = Field(32, ge=1)
     """Blocks trained per document per epoch, anchored at random answer positions (paper: 512)."""
     mask_token: str | None = Field(None, min_length=1)
     """An existing token the drafter fills blocks with (a reserved special token of a target
@@ -214,7 +214,7 @@ class BatchingConfig(Section):
     strategy: one_of(strategy_names) = "bucketed"
     """How samples become micro-batches (docs/batching.md): a module of
     ``dflash.batching.strategies`` or an installed plug-in."""
-    token_budget: Int = Field(16384, ge=1)
+    token_budget: Int = Field(2048, ge=1)
     """Padded tokens (rows x longest row) per micro-batch; a packed row holds up to this many."""
     max_batch_size: Int = Field(64, ge=1)
     """Rows per micro-batch at most."""
@@ -225,11 +225,12 @@ class BatchingConfig(Section):
     or the given edges."""
     seed: Int = Field(0, ge=0)
     """Seed of every plan's shuffles (with the epoch)."""
-    slot_cost: Float = Field(0.5, ge=0.0)
+    slot_cost: Float = Field(1.5, ge=0.0)
     """One drafter block slot's training cost in target tokens, for dealing micro-batches to
-    ranks by cost (``dflash.batching.cost``); about 0.5 for the paper's recipe (a 5-layer
-    drafter with the LM head, forward and backward, against a 36-layer target's forward);
-    ``bench/step_time.py`` measures it. 0 deals by padded tokens alone."""
+    ranks by cost (``dflash.batching.cost``): 1.5 for the tiny default, about 0.5 for the
+    paper's recipe (a 5-layer drafter with the LM head, forward and backward, against a
+    36-layer target's forward); ``bench/step_time.py`` measures it. 0 deals by padded tokens
+    alone."""
 
     @field_validator("boundaries")
     @classmethod
@@ -256,7 +257,7 @@ class TrainConfig(Section):
     """Training processes; the plans are made for this many ranks."""
     grad_accum: Int = Field(1, ge=1)
     """Micro-batches per rank per optimizer step."""
-    lr: Float = Field(6.0e-4, ge=0.0)
+    lr: Float = Field(3.0e-3, ge=0.0)
     """Peak learning rate, shaped by ``schedule``; Muon's steps are scaled to AdamW's update
     size, so one rate serves both."""
     optimizer: Literal["adamw", "muon"] = "adamw"

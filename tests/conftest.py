@@ -53,6 +53,8 @@ TINY_PARAMS = {
         "num_key_value_heads": 1,
         "pretrain_epochs": 1,
         "pretrain_batch_tokens": 2048,
+        "pretrain_lr": 1.0e-2,
+        "end_token_weight": 1.0,
     },
     "drafter": {
         "block_size": 4,
@@ -60,7 +62,13 @@ TINY_PARAMS = {
         "num_target_features": 2,
         "anchors_per_sequence": 6,
     },
-    "batching": {"strategy": "shuffle", "token_budget": 384, "max_batch_size": 8, "num_buckets": 2},
+    "batching": {
+        "strategy": "shuffle",
+        "token_budget": 384,
+        "max_batch_size": 8,
+        "num_buckets": 2,
+        "slot_cost": 0.5,
+    },
     "train": {"epochs": 2, "world_size": 2, "checkpoint_every": 2, "num_workers": 0, "lr": 3.0e-3},
     "evaluate": {"num_prompts": 4, "max_new_tokens": 12},
     "logging": {"wandb": "disabled", "every": 1},

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash.config import Config
 from dflash.errors import ConfigError
 from dflash.params import load_config
 
@@ -65,7 +66,7 @@ def test_explicit_boundaries_list():
         ("target.num_attention_heads=0", ["target.num_attention_heads", "0", ">= 1"]),
         ("target.intermediate_size=-4", ["target.intermediate_size", "-4", ">= 1"]),
         ("batching.boundaries=[-5, 64]", ["batching.boundaries", "-5", "positive"]),
-        ("batching.token_budget=512", ["batching.token_budget", "512", "data.max_seq_len"]),
+        ("batching.token_budget=256", ["batching.token_budget", "256", "data.max_seq_len"]),
         ("data.source=/tmp/corpus.jsonl", ["data.source", "data/raw"]),
         ("data.source=data/raw/../x.jsonl", ["data.source", "data/raw"]),
         ("train.lr=[1", ["--set", "not valid YAML"]),
@@ -209,3 +210,11 @@ def test_an_alias_in_an_override_value_is_refused():
 def test_a_params_path_that_is_a_directory_says_so(tmp_path):
     with pytest.raises(ConfigError, match="is a directory, not a file"):
         load_config(tmp_path)
+
+
+def test_the_code_defaults_are_params_yaml():
+    """One set of defaults: a Config built in Python trains what `dvc repro` trains."""
+    import yaml
+
+    committed = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
+    assert Config().model_dump(mode="json") == committed

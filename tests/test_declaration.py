@@ -140,10 +140,10 @@ def test_a_read_of_an_undeclared_param_is_an_error(monkeypatch):
 def test_a_whole_section_allows_its_keys_and_declared_params_shows_only_those():
     view = restrict(load_config(None), ("tokenizer", "data.max_seq_len"))
     assert isinstance(view, Config)
-    assert view.tokenizer.vocab_size == 4096 and view.data.max_seq_len == 1024
+    assert view.tokenizer.vocab_size == 4096 and view.data.max_seq_len == 512
     assert declared_params(view) == {
         "tokenizer": {"path": None, "vocab_size": 4096},
-        "data": {"max_seq_len": 1024},
+        "data": {"max_seq_len": 512},
     }
     with pytest.raises(UndeclaredParamError):
         _ = view.data.source
