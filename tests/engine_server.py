@@ -177,8 +177,11 @@ class StandInEngine:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.end_headers()
+                    self.wfile.write(data)
+                except OSError:
+                    self.close_connection = True  # the client hung up: it gave up on this answer
 
             def _trickle(self, status: int, data: bytes) -> None:
                 """A right answer, a few bytes at a time, never long silent."""
