@@ -95,14 +95,21 @@ def test_one_pool_of_workers_serves_every_epochs_plan_and_a_resume(tmp_path):
         steps = read_rank_plan(epoch_path(tmp_path, epoch), 1)
         planned.set_epoch(epoch, steps, first_step)
         got = list(loader)
-        pools.append({p.pid for p in psutil.Process().children()})
+        pools.append(loader_workers())
         fresh = StepDataset(store, steps, first_step=first_step, epoch=epoch, **knobs)
         assert len(got) == len(fresh) == len(steps) - first_step
         for mine, theirs in zip(got, make_loader(fresh, 0, 2, False), strict=True):
             for a, b in zip(mine, theirs, strict=True):
                 assert all(torch.equal(x, y) for x, y in zip(tensors(a), tensors(b), strict=True))
                 assert a.weight_sum == b.weight_sum and a.n_samples == b.n_samples
-    assert len(pools[0]) == 2 and pools[0] == pools[1] == pools[2], "workers were re-forked"
+    assert len(pools[0]) == 2 and pools[0] == pools[1] == pools[2], "workers were started again"
+
+
+def loader_workers() -> set[int]:
+    """The loader's spawned workers among this process's children (not the resource tracker
+    that spawning starts)."""
+    children = psutil.Process().children()
+    return {p.pid for p in children if "spawn_main" in " ".join(p.cmdline())}
 
 
 def tensors(micro_batch) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dflash.errors import UserError
 from dflash.lock import EXIT_DIR, FAILURE_LOG
@@ -148,13 +149,26 @@ def first_failure(where: Path) -> int | None:
 def _leave_first_failure(err: Exception) -> None:
     where = os.environ.get(EXIT_DIR)
     if where:
-        rank, _ = err.get_first_failure()
+        rank, _ = _culprit(err)
         (Path(where) / FIRST_FAILURE).write_text(str(rank))
 
 
+def _culprit(err: Exception) -> tuple[int, Any]:
+    """The failed rank to name: one a signal killed, else the one ``torchrun`` saw first. A rank
+    killed (SIGKILL, a crash) leaves its peers failing on closed connections, and a peer's
+    failure can be seen first: the killed one is the cause. SIGTERM is torchrun's own stop of
+    the survivors, no cause."""
+    killed = [
+        (rank, f)
+        for rank, f in sorted(err.failures.items())
+        if f.exitcode < 0 and -f.exitcode != signal.SIGTERM
+    ]
+    return killed[0] if killed else err.get_first_failure()
+
+
 def _first_failure(err: Exception) -> str:
-    """The failed rank that ``torchrun`` saw first, and how it ended."""
-    rank, failure = err.get_first_failure()
+    """The failed rank to name (:func:`_culprit`), and how it ended."""
+    rank, failure = _culprit(err)
     ended = (
         f"was killed by {failure.signal_name()}"
         if failure.exitcode < 0
