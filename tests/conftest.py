@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -278,9 +279,12 @@ def checkpoint_written(workspace: Path, step: int) -> bool:
 
 
 @pytest.fixture
-def hold(tmp_path) -> Hold:
-    """Holds a run this test starts after a checkpoint, so a kill lands mid-run (tests/hold.py)."""
-    return Hold(tmp_path / "hold")
+def hold(tmp_path) -> Iterator[Hold]:
+    """Holds a run this test starts after a checkpoint, so a kill lands mid-run (tests/hold.py);
+    released at the end, so a failed test leaves no rank waiting forever."""
+    held = Hold(tmp_path / "hold")
+    yield held
+    held.release()
 
 
 def gloo_rank(rank: int, world_size: int, port: int) -> Dist:
