@@ -31,11 +31,11 @@ from train_throughput import (
     write_heldout,
 )
 
+from dflash.config.params import load_config
 from dflash.data.store import TokenStoreWriter
 from dflash.data.tokenizer import tokenizer_hash
 from dflash.model.pretrain import build_tiny_target
-from dflash.params import load_config
-from dflash.workspace import RELATIVE
+from dflash.pipeline.workspace import RELATIVE
 
 SMALLEST_VOCAB, LARGEST_VOCAB = 2, 256
 """Distinct tokens of the shortest and of the longest samples: small enough that a drafter

@@ -116,7 +116,7 @@ def build_workspace(root: Path, smoke: bool) -> Path:
         f.writelines(json.dumps(row) + "\n" for row in corpus(200 if smoke else 1200))
     (workspace / "params.yaml").write_text(yaml.safe_dump(pipeline_params(smoke)))
     script = (
-        "from dflash.cli import run_stage; from dflash.params import load_config; "
+        "from dflash.cli import run_stage; from dflash.config.params import load_config; "
         f"config = load_config('params.yaml', []); [run_stage(s, config) for s in {DATA_STAGES}]"
     )
     proc = subprocess.Popen([sys.executable, "-c", script], cwd=workspace, text=True,
@@ -306,11 +306,11 @@ def step_checks(smoke: bool) -> list[Check]:
     import contextlib
 
     import torch
+    from syncs import HostReads
 
     from dflash.train.batches import build_micro_batch
-    from dflash.train.distributed import Dist
+    from dflash.train.distributed.process_group import Dist
     from dflash.train.step import forward_backward
-    from dflash.train.syncs import HostReads
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target, drafter = step_model(smoke, device)
@@ -408,7 +408,7 @@ def run_all(groups: dict[str, Callable[[], list[Check]]]) -> int:
 
 
 def main() -> int:
-    from dflash.workspace import RELATIVE
+    from dflash.pipeline.workspace import RELATIVE
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs without a GPU")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from train_throughput import LINKED, ROOT, build_longtail, dflash_cli, shared_sets
 
-from dflash.workspace import RELATIVE
+from dflash.pipeline.workspace import RELATIVE
 
 
 def train(sets: list[str], source: Path) -> dict:

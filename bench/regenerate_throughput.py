@@ -24,12 +24,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from local_server import LocalServer
+
 from dflash.cli import run_stage
+from dflash.config.params import load_config
 from dflash.data.conversations import read_conversations, write_conversations
-from dflash.data.local_server import LocalServer
-from dflash.params import load_config
+from dflash.pipeline.workspace import RELATIVE
 from dflash.threads import set_cpu_threads
-from dflash.workspace import RELATIVE
 
 PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 INPUTS = (RELATIVE.target, RELATIVE.tokenizer, RELATIVE.conversations)

@@ -3,7 +3,8 @@
 ``bench/step_memory.py --parallelism fsdp --world-size 2`` runs this: the random target of the
 flags is saved once as safetensors, and every rank loads it as training does
 (``dflash.model.load``: whole under DDP; under FSDP built on the meta device, sharded, and
-only the rank's own rows read), wraps the drafter (``dflash.train.parallel``), runs one step
+only the rank's own rows read), wraps the drafter (``dflash.train.distributed.parallel``), runs one
+step
 on its own micro-batch and reports its peak RSS, ``target_load_rss_mib`` (the growth of its
 peak RSS while loading the target and reading every weight it holds once, so pages of a
 memory-mapped file count once touched: host memory a rank needs for it) and ``model_state_mib``:
@@ -32,8 +33,8 @@ from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features
 from dflash.model.load import load_target, load_target_shards
 from dflash.model.objective import dflash_objective
-from dflash.train import parallel
-from dflash.train.distributed import init_distributed
+from dflash.train.distributed import parallel
+from dflash.train.distributed.process_group import init_distributed
 
 
 def local_bytes(tensors) -> int:

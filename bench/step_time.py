@@ -35,15 +35,15 @@ from dflash.batching.io import Row
 from dflash.batching.planner import params_from_config
 from dflash.batching.registry import strategy as strategy_named
 from dflash.batching.stats_files import BUCKETS
+from dflash.config.params import load_config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.features import target_features
 from dflash.model.load import load_target
-from dflash.params import load_config
+from dflash.pipeline.workspace import RELATIVE
 from dflash.train.batches import MicroBatch, build_micro_batch
 from dflash.train.step import drafter_loss
-from dflash.workspace import RELATIVE
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ("features", "drafter", "backward")

@@ -22,7 +22,7 @@ from dflash.data.conversations import batch_rows, iter_batches
 from dflash.data.store import TokenStoreWriter
 from dflash.data.tokenize import Policy, tokenize_chunks, worker_count
 from dflash.data.tokenizer import corpus_texts, load_tokenizer, train_tokenizer
-from dflash.workspace import RELATIVE
+from dflash.pipeline.workspace import RELATIVE
 
 
 def main() -> None:

@@ -31,6 +31,7 @@ import numpy as np
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from dflash.config.params import load_config
 from dflash.data.conversations import write_conversations
 from dflash.data.store import TokenStoreWriter
 from dflash.data.tokenizer import (
@@ -42,8 +43,7 @@ from dflash.data.tokenizer import (
     tokenizer_hash,
 )
 from dflash.model.pretrain import build_tiny_target
-from dflash.params import load_config
-from dflash.workspace import RELATIVE
+from dflash.pipeline.workspace import RELATIVE
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = ROOT / "params.yaml"

@@ -1,7 +1,7 @@
 """``dflash <stage> [--params FILE] [--set key=value ...]``: one subcommand per pipeline stage.
 
 The command line only parses and dispatches: which stages exist, where their code starts and
-which params they read are declared in ``dvc.yaml`` (``dflash.declaration``), so
+which params they read are declared in ``dvc.yaml`` (``dflash.pipeline.declaration``), so
 ``stages/<stage>.py``, the console script and DVC share one declaration.
 """
 
@@ -16,20 +16,21 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import NoReturn
 
-from dflash import logs, provenance
-from dflash.config import Config
-from dflash.declaration import COMMANDS, restrict, stages
+from dflash import logs
+from dflash.config.params import load_config
+from dflash.config.schema import Config
 from dflash.errors import ConfigError, OutputError, RunStopped, UserError
 from dflash.fileio import SIGINT_EXIT, SIGTERM_EXIT, exit_on_sigterm
-from dflash.lock import FAILURE_LOG, launched_by_torchrun, record_exit, workspace_lock
-from dflash.params import load_config
-from dflash.workspace import Workspace
+from dflash.pipeline import provenance
+from dflash.pipeline.declaration import COMMANDS, restrict, stages
+from dflash.pipeline.lock import FAILURE_LOG, launched_by_torchrun, record_exit, workspace_lock
+from dflash.pipeline.workspace import Workspace
 
 SUMMARY = "Train a DFlash draft model for a target LLM: a command per pipeline stage, and report."
 EPILOG = """\
 `dvc repro` runs every stage in order, each only when its inputs changed;
 `dflash COMMAND` runs one now. Beside them:
-  python -m dflash.publish DIR   copy the evaluated drafter with its scorecard to DIR
+  python -m dflash.commands.publish DIR   copy the evaluated drafter with its scorecard to DIR
   dvc exp run -S KEY=VALUE       an experiment with one param changed (see README.md)
 """
 HELP = {
@@ -50,7 +51,7 @@ HELP = {
     "clean": "list the runs whose checkpoints are kept under checkpoints/, and remove them",
 }
 """What each command does, for ``--help``."""
-OPTIONS = {"clean": "dflash.clean", "train": "dflash.train.launch"}
+OPTIONS = {"clean": "dflash.commands.clean", "train": "dflash.train.distributed.nodes"}
 """Commands with options of their own: the module's ``add_arguments`` adds them, and its
 ``run`` takes the parsed options as a third argument."""
 COMPARE_HELP = (
@@ -58,7 +59,7 @@ COMPARE_HELP = (
     "with bootstrap intervals"
 )
 """``dflash compare`` reads runs from git, not params: no stage and no ``dvc.yaml`` entry."""
-COMPARE = "dflash.compare.command"
+COMPARE = "dflash.commands.compare.command"
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -89,10 +90,11 @@ def run_stage(
     """Run ``stage`` on the params it declares, and on those only, in ``workspace`` (by default
     the working directory, where DVC runs stages); its log lines name it.
 
-    A pipeline stage holds the workspace's lock while it runs (``dflash.lock``): train takes
+    A pipeline stage holds the workspace's lock while it runs (``dflash.pipeline.lock``): train
+    takes
     it in its launcher, which hands it to its ranks; the commands beside the pipeline only
     read, or take it themselves. Its inputs must have been made from the params it is given,
-    and its outputs are recorded as made from them (:mod:`dflash.provenance`).
+    and its outputs are recorded as made from them (:mod:`dflash.pipeline.provenance`).
     """
     logs.setup(stage)
     workspace = workspace or Workspace()
@@ -192,7 +194,8 @@ def _report(stage: str, err: Exception) -> int:
 
 def _report_crash(stage: str, err: Exception) -> None:
     """A rank's unexpected error: its traceback in the job's failure log, where the launcher
-    set one (:mod:`dflash.train.agent`), and one line naming the rank, the error and the log;
+    set one (:mod:`dflash.train.distributed.agent`), and one line naming the rank, the error and
+    the log;
     else the traceback."""
     log, rank = os.environ.get(FAILURE_LOG), os.environ.get("RANK", "0")
     try:

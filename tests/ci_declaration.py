@@ -23,7 +23,7 @@ import yaml
 from conftest import TINY_PARAMS, tiny_corpus
 from declaration import ROOT, readers_of
 
-from dflash.declaration import stages
+from dflash.pipeline.declaration import stages
 
 CORPUS = "data/raw/corpus.jsonl"
 TINY = {
@@ -129,10 +129,10 @@ def main() -> None:
             sys.exit(f"dvc status after dvc repro: {sorted(stale(repo))} still changed")
         print(f"ok  dvc repro, then dvc status clean ({time.perf_counter() - began:.0f} s)")
         for module in (
-            "dflash/workspace.py",
+            "dflash/pipeline/workspace.py",
             "dflash/batching/io.py",
             "dflash/model/generate.py",
-            "dflash/report.py",
+            "dflash/commands/report.py",
         ):
             change = appended(repo, module, "\n# ci\n")
             expect(repo, f"comment in {module}", change, readers_of(module))

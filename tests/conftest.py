@@ -27,13 +27,13 @@ from hold import Hold
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import run_stage
+from dflash.config.params import load_config
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import build_block_mask
 from dflash.model.generate import greedy_generate
 from dflash.model.objective import block_labels
-from dflash.params import load_config
-from dflash.train.checkpoint import CHECKPOINT_NAME
-from dflash.train.distributed import Dist, init_distributed
+from dflash.train.checkpointing.checkpoint import CHECKPOINT_NAME
+from dflash.train.distributed.process_group import Dist, init_distributed
 
 torch.set_num_threads(1)
 

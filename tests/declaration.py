@@ -2,15 +2,15 @@
 
 Shared by ``tests/test_declaration.py`` (compared with ``dvc.yaml``) and
 ``tests/ci_declaration.py`` (which checks what ``dvc status`` invalidates). The closure is
-``dflash.closure``'s, the one the fingerprints use.
+``dflash.pipeline.closure``'s, the one the fingerprints use.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dflash.closure import PACKAGE, ROOT, closure, docstring_only, module_file
-from dflash.declaration import pipeline, stages
+from dflash.pipeline.closure import PACKAGE, ROOT, closure, docstring_only, module_file
+from dflash.pipeline.declaration import pipeline, stages
 
 __all__ = ["ROOT", "code_deps", "covers", "dvc_stages", "readers_of", "stage_closure"]
 
@@ -65,7 +65,7 @@ def closure_deps(name: str) -> list[str]:
 
 def write_deps() -> None:
     """Rewrite the code deps of every stage in ``dvc.yaml`` (``python tests/declaration.py``)."""
-    from dflash.declaration import DVC_YAML
+    from dflash.pipeline.declaration import DVC_YAML
 
     lines = DVC_YAML.read_text().splitlines(keepends=True)
     out, stage, in_deps = [], None, False

@@ -5,7 +5,8 @@ not gone past N, however fast or slow the machine.
 
 The hold ships in no dflash module: :meth:`Hold.env` puts a ``sitecustomize`` on the run's
 ``PYTHONPATH`` (torchrun hands its environment to the ranks), which loads this file and wraps
-``dflash.train.checkpoint.save_checkpoint`` as that module is first imported. Stdlib only:
+``dflash.train.checkpointing.checkpoint.save_checkpoint`` as that module is first imported. Stdlib
+only:
 every process of the run imports it at start.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 
 STEP, DIRECTORY = "DFLASH_TEST_HOLD_STEP", "DFLASH_TEST_HOLD_DIR"
 """The environment that tells a run's processes where to hold and where to say so."""
-MODULE = "dflash.train.checkpoint"
+MODULE = "dflash.train.checkpointing.checkpoint"
 
 SITE = """import importlib.util
 spec = importlib.util.spec_from_file_location("dflash_test_hold", {path!r})

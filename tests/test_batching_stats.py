@@ -10,11 +10,11 @@ import pytest
 from dflash.batching import io
 from dflash.batching.length_stats import describe, main
 from dflash.batching.validate import validate_plans
+from dflash.config.params import from_dict
 from dflash.data.store import STORE_INDEX
-from dflash.params import from_dict
+from dflash.pipeline.workspace import Workspace
 from dflash.stages.plan import run as plan_run
 from dflash.stages.stats import run as stats_run
-from dflash.workspace import Workspace
 
 
 def lengths_for_test(n: int = 3000) -> np.ndarray:

@@ -20,18 +20,18 @@ from conftest import run_stages
 from safetensors.torch import load_file, save_file
 
 from dflash.cli import main
+from dflash.config.params import apply_override, load_config, set_option
 from dflash.data.store import TokenStore
-from dflash.declaration import restrict, stages
 from dflash.errors import OutputError, UserError
 from dflash.model.load import load_target
-from dflash.params import apply_override, load_config, set_option
+from dflash.pipeline.declaration import restrict, stages
+from dflash.pipeline.workspace import Workspace
 from dflash.stages.capture import run as capture_stage
 from dflash.stages.train import train_files
 from dflash.train.capture import MANIFEST, SAMPLE, target_geometry
-from dflash.train.distributed import Dist
+from dflash.train.distributed.process_group import Dist
 from dflash.train.engine import document_features
 from dflash.train.preflight import preflight
-from dflash.workspace import Workspace
 
 pytest.importorskip("hs_connectors")
 

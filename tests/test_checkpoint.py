@@ -11,13 +11,13 @@ import torch
 from conftest import run_stages
 from safetensors.torch import load_file
 
+from dflash.config.params import load_config
 from dflash.model.export import export_drafter
-from dflash.params import load_config
+from dflash.pipeline.workspace import Workspace
 from dflash.stages.train import fingerprint
-from dflash.train import checkpoint
-from dflash.train.dcp_safe import SafeReader
-from dflash.train.state import TrainState, rng_state, set_rng_state
-from dflash.workspace import Workspace
+from dflash.train.checkpointing import checkpoint
+from dflash.train.checkpointing.dcp_safe import SafeReader
+from dflash.train.checkpointing.state import TrainState, rng_state, set_rng_state
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from dflash.cli import main
-from dflash.compare.paired import Row
-from dflash.compare.screen import line
+from dflash.commands.compare.paired import Row
+from dflash.commands.compare.screen import line
 from dflash.eval.records import records_csv
 
 PROMPTS = 40

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash.config import Config
+from dflash.config.params import load_config
+from dflash.config.schema import Config
 from dflash.errors import ConfigError
-from dflash.params import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,14 +8,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash import cli
-from dflash.config import Config, DataConfig
+from dflash.config.schema import Config, DataConfig
 from dflash.data import conversations, ingest
 from dflash.data.chitchat import chat_to_record
 from dflash.data.conversations import ConversationWriter, read_conversations, write_conversations
 from dflash.data.records import BOM, RecordError, parse_record
 from dflash.fileio import SIGINT_EXIT
+from dflash.pipeline.workspace import Workspace
 from dflash.stages import ingest as ingest_stage
-from dflash.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

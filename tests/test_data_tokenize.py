@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.config import (
+from dflash.config.schema import (
     Config,
     DataConfig,
     DrafterConfig,
@@ -23,10 +23,10 @@ from dflash.data.chat import ChatTemplateError, encode_conversation, encode_conv
 from dflash.data.conversations import SCHEMA
 from dflash.data.store import TokenStore, TokenStoreWriter
 from dflash.data.tokenizer import INFO_FILE
+from dflash.pipeline.workspace import Workspace
 from dflash.stages import ingest as ingest_stage
 from dflash.stages import tokenize as tokenize_stage
 from dflash.stages import tokenizer as tokenizer_stage
-from dflash.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

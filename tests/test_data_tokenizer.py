@@ -7,13 +7,13 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dflash.config import Config, TokenizerConfig
+from dflash.config.schema import Config, TokenizerConfig
 from dflash.data import conversations
 from dflash.data import tokenizer as tok
 from dflash.data.conversations import write_conversations
 from dflash.data.tokenizer import INFO_FILE
+from dflash.pipeline.workspace import Workspace
 from dflash.stages import tokenizer as tokenizer_stage
-from dflash.workspace import Workspace
 
 TEXTS = [f"Hello number {i}, how are you doing today? I am fine, thanks." for i in range(50)]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from declaration import ROOT, code_deps, covers, dvc_stages, stage_closure, stage_script
 
-from dflash import closure
 from dflash.cli import resolve, run_stage
-from dflash.config import Config
-from dflash.declaration import declared_params, restrict, stages
+from dflash.config.params import load_config
+from dflash.config.schema import Config
 from dflash.errors import UndeclaredParamError
-from dflash.params import load_config
+from dflash.pipeline import closure
+from dflash.pipeline.declaration import declared_params, restrict, stages
 
 PIPELINE = sorted(dvc_stages())
 
@@ -42,7 +42,8 @@ def module_files(name: str) -> list[Path]:
 
 @functools.cache
 def scanned_imports(path: Path) -> frozenset[Path]:
-    """Project files ``path`` imports, read off its text line by line, not by dflash.closure:
+    """Project files ``path`` imports, read off its text line by line, not by
+    dflash.pipeline.closure:
     at any indentation (imports in functions), outside ``if TYPE_CHECKING:``, and every
     module of a package it names in ``PLUGIN_PACKAGE``."""
     text = TYPE_ONLY.sub("", path.read_text())
@@ -83,7 +84,7 @@ def test_deps_cover_the_import_closure(name):
     deps = code_deps(stage)
     modules = scanned_closure(name)
     missing = sorted(str(m) for m in modules if not any(covers(d, m) for d in deps))
-    # dvc.yaml is written from dflash.closure (tests/declaration.py): a fault there would
+    # dvc.yaml is written from dflash.pipeline.closure (tests/declaration.py): a fault there would
     # write it wrong and still agree with it, so the expectation is the plain text scan's.
     assert not missing, f"stage {name}: dvc.yaml misses {missing}"
     unused = sorted(d for d in deps if not any(covers(d, m) for m in modules))
@@ -200,7 +201,7 @@ def test_a_docstring_edit_outside_a_closure_keeps_checkpoints_valid(tmp_path, mo
         path = tmp_path / "repo" / module
         path.write_text('"""An edited docstring."""\n' + path.read_text())
 
-    edit("dflash/report.py")
+    edit("dflash/commands/report.py")
     assert run_fingerprint(config) == before
     edit("dflash/train/loop.py")
     assert run_fingerprint(config) != before
@@ -221,7 +222,7 @@ def test_stage_scripts_hold_no_path_hack():
 
 
 FILE_NAME_HOMES = {
-    "dflash/workspace.py",  # every stage output, relative to the workspace
+    "dflash/pipeline/workspace.py",  # every stage output, relative to the workspace
     "dflash/batching/io.py",
     "dflash/batching/stats_files.py",
     "dflash/data/ingest.py",
@@ -230,17 +231,18 @@ FILE_NAME_HOMES = {
     "dflash/data/tokenizer.py",
     "dflash/model/hf_files.py",
     "dflash/model/target_dir.py",  # the reference to a target that is not copied
-    "dflash/metrics_schema.py",  # the JSON Schema files it writes
-    "dflash/train/checkpoint.py",
-    "dflash/train/best.py",  # the best validation's weights beside the checkpoints
+    "dflash/metrics/schema.py",  # the JSON Schema files it writes
+    "dflash/train/checkpointing/checkpoint.py",
+    "dflash/train/checkpointing/best.py",  # the best validation's weights beside the checkpoints
     "dflash/train/capture.py",  # the feature files and their manifest
-    "dflash/provenance.py",  # a record per stage
+    "dflash/pipeline/provenance.py",  # a record per stage
 }
 """The workspace, and the modules that own a format's file names (its files, in any directory)."""
 
 
 def test_file_names_live_in_their_homes():
-    """Outputs are named once: the workspace's in dflash/workspace.py, a format's own files in
+    """Outputs are named once: the workspace's in dflash/pipeline/workspace.py, a format's own
+    files in
     the module that writes the format; others use their constants."""
     import re
 
@@ -254,7 +256,7 @@ def test_file_names_live_in_their_homes():
         found = [m.group(0) for m in pattern.finditer(p.read_text())]
         if found and name not in FILE_NAME_HOMES:
             offenders.append(name)
-        if name != "dflash/workspace.py":
+        if name != "dflash/pipeline/workspace.py":
             for literal in set(found):
                 homes.setdefault(literal, []).append(name)
     assert not offenders, offenders
@@ -285,7 +287,7 @@ def test_help_says_what_every_command_does_and_names_publish(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "python -m dflash.publish DIR" in text and "report stage" not in text
+    assert "python -m dflash.commands.publish DIR" in text and "report stage" not in text
     assert all(" ".join(cli.HELP[name].split()) in text for name in cli.HELP)
     assert " ".join(cli.COMPARE_HELP.split()) in text
     with pytest.raises(SystemExit):

@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from dflash.config_doc import render
+from dflash.config.doc import render
 
 ROOT = Path(__file__).resolve().parents[1]
 README_LIMIT = 12_000
@@ -24,12 +24,12 @@ def tracked(*patterns: str) -> list[Path]:
 def test_configuration_page_is_generated_from_the_params():
     page = ROOT / "docs/configuration.md"
     assert page.read_text() == render(), (
-        "docs/configuration.md is stale: python -m dflash.config_doc docs/configuration.md"
+        "docs/configuration.md is stale: python -m dflash.config.doc docs/configuration.md"
     )
 
 
 def test_every_param_says_what_it_does():
-    from dflash.config import Config
+    from dflash.config.schema import Config
 
     missing = [
         f"{section}.{name}"
@@ -37,7 +37,7 @@ def test_every_param_says_what_it_does():
         for name, info in field.annotation.model_fields.items()
         if not (info.description or "").strip()
     ]
-    assert not missing, f"params without a docstring in dflash/config.py: {missing}"
+    assert not missing, f"params without a docstring in dflash/config/schema.py: {missing}"
 
 
 def test_readme_is_a_short_guide():

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from dflash.dvclive_logger import has_no_commits, open_live
+from dflash.metrics.dvclive import has_no_commits, open_live
 
 
 def test_a_repository_without_commits_gets_a_plain_error(tmp_path, monkeypatch):

@@ -16,10 +16,10 @@ import torch
 import yaml
 from conftest import run_stages, tiny_qwen3
 from engine_server import FAULTS, StandInEngine, aux_states
+from local_server import free_port
 from test_train import final_weights
 
-from dflash.config import Config
-from dflash.data.local_server import free_port
+from dflash.config.schema import Config
 from dflash.errors import ConfigError
 from dflash.model import hidden_states
 from dflash.model.features import target_features
@@ -29,11 +29,11 @@ from dflash.model.hidden_states import (
     engine_layer_ids,
     hidden_transfer,
 )
+from dflash.pipeline.workspace import Workspace
 from dflash.train.capture import MANIFEST, check_capture, heldout_row
-from dflash.train.distributed import Dist
+from dflash.train.distributed.process_group import Dist
 from dflash.train.engine import DocumentFeatures, file_fetch, served_fetch
 from dflash.train.topology import micro_batch_shape
-from dflash.workspace import Workspace
 
 pytest.importorskip("hs_connectors")
 

@@ -10,14 +10,14 @@ import pytest
 from conftest import WORDS, run_stages, tiny_qwen3
 from test_metrics_schema import DATA_FILES, RUN_FILES, assert_files_round_trip
 
+from dflash.commands.publish import main as publish_main
+from dflash.commands.report import render_report
 from dflash.data.tokenizer import load_tokenizer
 from dflash.eval.metrics import summarize_method
 from dflash.eval.prompts import Prompt, read_prompt_file, render_prompts
 from dflash.eval.records import prompt_records, read_records, records_csv
 from dflash.eval.strata import groups, strata
 from dflash.model.generate import GenerateOutput, greedy_generate, speculative_generate
-from dflash.publish import main as publish_main
-from dflash.report import render_report
 
 BS = 4
 
@@ -207,7 +207,7 @@ def publish_with_its_scorecard(workspace):
     assert publish_main([str(out), "--root", str(workspace)]) == 0
     card = (out / "README.md").read_text()
     assert "## Scorecard" in card and "| questions | mode:plain |" in card
-    assert "dflash.publish" not in card  # the note pointing here is replaced by the table
+    assert "dflash.commands.publish" not in card  # the note pointing here is replaced by the table
     assert (out / "model.safetensors").read_bytes() == (
         workspace / "models/drafter/model.safetensors"
     ).read_bytes()

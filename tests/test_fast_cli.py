@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.lock import workspace_lock
-from dflash.workspace import Workspace
+from dflash.pipeline.lock import workspace_lock
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""
@@ -33,7 +33,7 @@ def heavy_modules_after(code: str, cwd: Path) -> str:
     return proc.stdout.strip().splitlines()[-1] + proc.stderr
 
 
-@pytest.mark.parametrize("module", ["dflash.cli", "dflash.publish"])
+@pytest.mark.parametrize("module", ["dflash.cli", "dflash.commands.publish"])
 def test_importing_the_command_line_loads_no_torch(tmp_path, module):
     assert heavy_modules_after(f"import {module}", tmp_path) == "[]"
 

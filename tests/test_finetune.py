@@ -85,7 +85,7 @@ def test_a_checkpoint_with_a_nan_weight_exits_2_naming_it(tiny_workspace, monkey
 
 
 def test_another_checkpoint_never_resumes_this_ones_training(tiny_workspace, monkeypatch):
-    from dflash.params import load_config
+    from dflash.config.params import load_config
     from dflash.stages.train import fingerprint
 
     monkeypatch.chdir(tiny_workspace)

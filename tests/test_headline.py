@@ -7,9 +7,9 @@ import yaml
 from declaration import ROOT
 from pydantic import BaseModel
 
-from dflash import headline
-from dflash.headline import write_metrics
-from dflash.metrics_schema import (
+from dflash.metrics import headline
+from dflash.metrics.headline import write_metrics
+from dflash.metrics.schema import (
     EvalHeadline,
     RegenerateHeadline,
     TargetHeadline,
@@ -17,7 +17,7 @@ from dflash.metrics_schema import (
     TrainHeadline,
     leaves,
 )
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

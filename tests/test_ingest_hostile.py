@@ -11,7 +11,7 @@ import pytest
 from dflash import cli
 from dflash.data import ingest
 from dflash.data.conversations import read_conversations
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

@@ -21,14 +21,14 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from dflash.config import DrafterConfig
+from dflash.commands.report import drafter_sources
+from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
-from dflash.metrics_schema import TrainDetails
+from dflash.metrics.schema import TrainDetails
 from dflash.model import remote
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
 from dflash.model.imported import checkpoint_weights, read_checkpoint
-from dflash.report import drafter_sources
 from dflash.train.init_drafter import TargetShape, checked_checkpoint
 
 LAYERS = {

@@ -9,10 +9,15 @@ from __future__ import annotations
 import pytest
 from declaration import ROOT
 
-from dflash.closure import direct_imports
+from dflash.pipeline.closure import direct_imports
 
 LIBRARY = ("data", "model", "batching", "train", "eval")
-TOP_LEVEL_ONLY = {"dflash.paths", "dflash.workspace", "dflash.declaration", "dflash.closure"}
+TOP_LEVEL_ONLY = {
+    "dflash.paths",
+    "dflash.pipeline.workspace",
+    "dflash.pipeline.declaration",
+    "dflash.pipeline.closure",
+}
 """What only the stages and the top-level tools may import."""
 
 
@@ -46,7 +51,7 @@ def test_data_and_model_do_not_import_each_other(package, other):
 
 
 def test_every_stage_runs_from_the_stages_package():
-    from dflash.declaration import pipeline
+    from dflash.pipeline.declaration import pipeline
 
     entries = {name: body["meta"]["entry"] for name, body in pipeline().items()}
     assert entries == {name: f"dflash.stages.{name}:run" for name in entries}

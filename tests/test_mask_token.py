@@ -10,13 +10,13 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from dflash.config import Config, DrafterConfig, TokenizerConfig
+from dflash.config.params import load_config
+from dflash.config.schema import Config, DrafterConfig, TokenizerConfig
 from dflash.data import tokenizer as tok
 from dflash.data.tokenizer import INFO_FILE
 from dflash.errors import ConfigError
-from dflash.params import load_config
+from dflash.pipeline.workspace import Workspace
 from dflash.stages import tokenizer as tokenizer_stage
-from dflash.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

@@ -1,4 +1,4 @@
-"""The names a run writes are declared once (:mod:`dflash.train.metric_names`), those of its
+"""The names a run writes are declared once (:mod:`dflash.metrics.names`), those of its
 metrics files checked against their models before training, and each producer writes exactly
 its list."""
 
@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dflash.train import metric_names
+from dflash.metrics import names as metric_names
+from dflash.metrics.names import PLOT_COLUMNS, SERIES, SUMMARY, MetricNameError
+from dflash.train.checkpointing.state import TrainState
 from dflash.train.loop import Trainer, _Window
-from dflash.train.metric_names import PLOT_COLUMNS, SERIES, SUMMARY, MetricNameError
-from dflash.train.monitor import Monitor
-from dflash.train.state import TrainState
+from dflash.train.observe.monitor import Monitor
 from dflash.train.topology import ColocatedFeatures
 
 

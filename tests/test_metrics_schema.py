@@ -12,14 +12,14 @@ import pytest
 from declaration import ROOT
 from test_headline import TRAIN_DETAILS
 
-from dflash import metrics_schema as ms
 from dflash.batching.io import PLAN_SUMMARY
 from dflash.data.store import STORE_MANIFEST
 from dflash.fileio import write_json_atomic
-from dflash.headline import write_metrics
+from dflash.metrics import schema as ms
+from dflash.metrics.headline import write_metrics
+from dflash.pipeline.workspace import Workspace
+from dflash.train.checkpointing.state import TrainState
 from dflash.train.loop import NO_HELDOUT, NO_STEP, NOT_FINITE, final_figures
-from dflash.train.state import TrainState
-from dflash.workspace import Workspace
 
 WS = Workspace(Path())
 SCHEMAS = Path("docs/schemas")
@@ -63,7 +63,7 @@ def test_every_file_has_a_schema_and_the_committed_schemas_are_current():
     expected = {ms.SCHEMA_FILE.format(name=name): m for name, m in ms.FILES.items()}
     assert sorted(p.name for p in directory.iterdir()) == sorted(expected)
     stale = [n for n, m in expected.items() if (directory / n).read_text() != ms.schema_text(m)]
-    assert not stale, f"{stale} are stale: python -m dflash.metrics_schema {SCHEMAS}"
+    assert not stale, f"{stale} are stale: python -m dflash.metrics.schema {SCHEMAS}"
     models = {m for m, _ in [*DATA_FILES.values(), *RUN_FILES.values()]}
     assert models == set(ms.FILES.values())
 
@@ -88,7 +88,7 @@ def test_read_says_why_a_file_is_no_json_object(tmp_path):
 
 
 def test_the_schema_module_starts_without_torch():
-    code = "import sys, dflash.metrics_schema; print('torch' in sys.modules)"
+    code = "import sys, dflash.metrics.schema; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

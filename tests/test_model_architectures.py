@@ -15,7 +15,7 @@ from dflash.model import target_attention
 from dflash.model.features import decoder_layers, target_features
 from dflash.model.mixing import by_document_rows, mixers, pointwise, unconfined
 from dflash.model.remote import select_features
-from dflash.train.parallel import shard_target
+from dflash.train.distributed.parallel import shard_target
 
 LENGTHS = [9, 14, 7]
 """Three documents in one row: longer than the sliding windows below, so tiles run too."""

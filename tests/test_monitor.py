@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import run_stages
 
-from dflash.train.monitor import wandb_quiet
+from dflash.train.observe.monitor import wandb_quiet
 
 
 def spikes(losses: list[float]) -> int:
@@ -56,8 +56,8 @@ def test_wandb_stays_quiet_unless_its_environment_asks():
 
 WANDB_RUN = """
 import os, wandb
-from dflash.train.monitor import wandb_quiet
-from dflash.train.stability import coefficient_of_variation, count_spikes
+from dflash.train.observe.monitor import wandb_quiet
+from dflash.train.observe.stability import coefficient_of_variation, count_spikes
 run = wandb.init(project="p", mode="offline", dir=os.getcwd(),
                  settings=wandb.Settings(**wandb_quiet(os.environ)))
 run.log({"loss": 1.0}, step=1)

@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dflash.config import TrainConfig
+from dflash.config.schema import TrainConfig
 from dflash.errors import UserError
-from dflash.train.launch import (
+from dflash.train.distributed.nodes import (
     NODE_ENV,
     Nodes,
     add_arguments,
@@ -68,7 +68,7 @@ def _two_nodes(head: Path, worker: Path, *sets: str) -> list[tuple[int, str]]:
 
 
 def _rank(cmdline: list[str]) -> bool:
-    return "dflash.cli" in cmdline and "dflash.train.agent" not in cmdline
+    return "dflash.cli" in cmdline and "dflash.train.distributed.agent" not in cmdline
 
 
 def _weights(workspace: Path) -> bytes:

@@ -18,7 +18,7 @@ from conftest import (
 from test_train import assert_kill_and_resume_is_bitwise
 from transformers import AutoModel
 
-from dflash.config import ObjectiveConfig
+from dflash.config.schema import ObjectiveConfig
 from dflash.model import objective
 from dflash.model.distill import Objective, WeightedHeadLoss, dpace_weights, head_terms
 from dflash.model.drafter import PAPER_RULE, layer_rules, rule_masks
@@ -332,7 +332,7 @@ def test_a_sliding_window_drafter_exports_its_layers_and_decodes_losslessly(
 
 
 def test_drafter_layer_params_are_checked():
-    from dflash.config import DrafterConfig
+    from dflash.config.schema import DrafterConfig
 
     DrafterConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
                   sliding_window=8, causal=True)  # fmt: skip

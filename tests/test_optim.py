@@ -11,12 +11,12 @@ import torch
 from conftest import run_stages, tiny_qwen3
 from safetensors.torch import load_file
 
-from dflash.config import TrainConfig
+from dflash.config.params import load_config
+from dflash.config.schema import TrainConfig
 from dflash.errors import ConfigError
 from dflash.model.drafter import DFlashDrafter
-from dflash.params import load_config
-from dflash.train import checkpoint
-from dflash.train.dcp_safe import SafeReader
+from dflash.train.checkpointing import checkpoint
+from dflash.train.checkpointing.dcp_safe import SafeReader
 from dflash.train.optim import Optimization, decay_steps, muon_split, warmup_steps
 
 TOTAL, PEAK = 40, 1.0e-3

@@ -14,7 +14,7 @@ from conftest import run_stages
 from dflash.batching import length_stats as stats
 from dflash.batching.params import PlanParams
 from dflash.model import hf_files
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

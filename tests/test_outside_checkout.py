@@ -21,8 +21,8 @@ from pathlib import Path
 from dflash.batching.lengths import read_lengths
 from dflash.batching.planner import params_from_config, write_plans
 from dflash.data.store import STORE_INDEX
-from dflash.params import load_config
-from dflash.train.files import Declared, TrainFiles
+from dflash.config.params import load_config
+from dflash.train.run_files import Declared, TrainFiles
 from dflash.train.loop import train
 
 inputs, out = Path(sys.argv[1]), Path(sys.argv[2])

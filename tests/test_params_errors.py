@@ -7,7 +7,7 @@ import pytest
 from transformers import Qwen3Config
 
 from dflash import cli
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""
@@ -66,7 +66,7 @@ def test_bad_params_fail_at_load(tmp_path, monkeypatch, capsys, setting, key):
 
 def test_answers_too_short_to_learn_are_fine_when_nothing_is_regenerated(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    from dflash.params import load_config
+    from dflash.config.params import load_config
 
     config = load_config(PARAMS, ["regenerate.max_new_tokens=20", "data.regenerate=false"])
     assert config.regenerate.max_new_tokens == 20

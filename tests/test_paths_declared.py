@@ -1,4 +1,4 @@
-"""``dvc.yaml`` and :class:`dflash.workspace.Workspace` name the same paths: a path added,
+"""``dvc.yaml`` and :class:`dflash.pipeline.workspace.Workspace` name the same paths: a path added,
 renamed or dropped in one fails here until the other follows."""
 
 from pathlib import Path
@@ -9,7 +9,7 @@ from declaration import ROOT
 from dflash.batching import stats_files
 from dflash.batching.io import PLAN_SUMMARY
 from dflash.data.store import STORE_INDEX
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 
@@ -34,7 +34,8 @@ FORMAT_NAMES = {
     "metrics.json",  # DVCLive's summary and curves directory, inside its directory
     "plots",
 }
-"""File names inside a workspace directory that are a format's own (``dflash.workspace``)."""
+"""File names inside a workspace directory that are a format's own
+(``dflash.pipeline.workspace``)."""
 
 
 def workspace_paths() -> set[Path]:
@@ -62,7 +63,9 @@ def test_every_path_dvc_names_is_a_workspace_path():
     stray = {
         p for p in named if p not in known and not (p.parent in known and p.name in FORMAT_NAMES)
     }
-    assert not stray, f"dvc.yaml names paths dflash.workspace.Workspace lacks: {sorted(stray)}"
+    assert not stray, (
+        f"dvc.yaml names paths dflash.pipeline.workspace.Workspace lacks: {sorted(stray)}"
+    )
 
 
 def test_every_workspace_path_is_in_dvc_yaml_unless_it_says_why_not():

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from dflash.train.composition import class_name, length_classes, ranks, spearman
-from dflash.train.monitor import steps_to_csv
-from dflash.train.pilot import epoch_limits, projected_hours
+from dflash.train.observe.composition import class_name, length_classes, ranks, spearman
+from dflash.train.observe.monitor import steps_to_csv
+from dflash.train.observe.pilot import epoch_limits, projected_hours
 
 
 def test_a_pilot_runs_the_first_max_steps_of_the_run_across_epochs():

@@ -1,4 +1,5 @@
-"""``python -m dflash.publish DIR`` never destroys: a directory it did not write, the workspace,
+"""``python -m dflash.commands.publish DIR`` never destroys: a directory it did not write, the
+workspace,
 its pipeline directories and links are refused with exit 2, every file left as it was."""
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash import publish
+from dflash.commands import publish
 from dflash.eval.outputs import eval_headline
-from dflash.fingerprint import path_digest
-from dflash.metrics_schema import EvalDetails, partial
+from dflash.metrics.schema import EvalDetails, partial
 from dflash.model import hf_files
 from dflash.model.card import SCORECARD_NOTE
-from dflash.workspace import Workspace
+from dflash.pipeline.fingerprint import path_digest
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

@@ -8,13 +8,13 @@ import shutil
 import pytest
 from conftest import run_stages
 
-from dflash.config import Config, DataConfig
+from dflash.config.schema import Config, DataConfig
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.regenerate import answer_turns
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.model.load import load_target
+from dflash.pipeline.workspace import Workspace
 from dflash.stages import regenerate as regenerate_stage
-from dflash.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

@@ -11,15 +11,15 @@ import shutil
 
 import pytest
 from conftest import run_stages
+from local_server import free_port, local_servers
 
 from dflash.cli import main
 from dflash.data import regenerate
 from dflash.data.conversations import read_conversations, write_conversations
-from dflash.data.local_server import free_port, local_servers
 from dflash.data.store import STORE_INDEX
 from dflash.errors import ConfigError
 from dflash.model import hf_files
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

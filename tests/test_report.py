@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from dflash.batching.registry import strategy
+from dflash.commands.report import render_report
 from dflash.data.conversations import write_conversations
-from dflash.report import render_report
 
 FILES = {
     "data/ingested/ingest_report.json": {
@@ -274,14 +274,14 @@ def test_each_warning_has_its_own_trigger(tmp_path):
 
 
 def test_report_starts_without_torch():
-    code = "import sys, dflash.report; print('torch' in sys.modules)"
+    code = "import sys, dflash.commands.report; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_every_figure_is_a_field_of_its_files_model_or_worked_out_by_the_report():
-    from dflash import metrics_schema as ms
-    from dflash import report
+    from dflash.commands import report
+    from dflash.metrics import schema as ms
 
     worked_out = {"train", "heldout", "duplicates", "skipped_n", "rate", "cap_share",
                   "loop_share", "dropped_n", "strategy", "ci", "ngram_tau", "untrained_tau",

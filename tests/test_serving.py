@@ -15,13 +15,13 @@ import pytest
 from tqdm import tqdm
 
 from dflash.cli import main
+from dflash.config.params import load_config
 from dflash.data import regenerate, serving
 from dflash.data.conversations import read_conversations, write_conversations
 from dflash.data.serving import RETRIED, Endpoints, answer_message, failure_reason
 from dflash.data.tokenizer import IM_END, IM_START, load_tokenizer, train_tokenizer
 from dflash.errors import ConfigError
-from dflash.params import load_config
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

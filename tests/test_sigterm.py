@@ -83,7 +83,7 @@ def test_publish_killed_by_sigterm_removes_its_tmp_dir(tmp_path):
         tmp_path,
         """
         import types
-        from dflash import publish
+        from dflash.commands import publish
         publish.scored_metrics = lambda root: {}
         scorecard = types.SimpleNamespace(scorecard_rows=lambda metrics: [])
         sys.modules["dflash.eval.strata"] = scorecard  # the real one imports torch: seconds

@@ -11,8 +11,8 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import greedy_generate
 from dflash.model.load import load_target
+from dflash.pipeline.workspace import Workspace
 from dflash.train.simulated import NEW_TOKENS, SimulatedTau, answer, through_first_stop
-from dflash.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from dflash.train.stability import MIN_HISTORY, count_spikes, stability
+from dflash.train.observe.stability import MIN_HISTORY, count_spikes, stability
 
 
 def test_a_spike_is_a_loss_above_twice_the_recent_median():

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 from dflash import cli
-from dflash.fingerprint import path_digest
-from dflash.freshness import stale_drafter
+from dflash.commands.report import render_report
 from dflash.model import hf_files
-from dflash.report import render_report
-from dflash.workspace import Workspace
+from dflash.pipeline.fingerprint import path_digest
+from dflash.pipeline.freshness import stale_drafter
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

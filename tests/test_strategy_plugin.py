@@ -16,8 +16,8 @@ from dflash.batching.choices import strategy_names
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.planner import main
 from dflash.batching.validate import validate_plans
-from dflash.config_doc import render
-from dflash.params import load_config
+from dflash.config.doc import render
+from dflash.config.params import load_config
 
 TOY = '''"""``toy``: shortest first, the same micro-batches every epoch."""
 

@@ -15,7 +15,7 @@ from dflash.data.tokenizer import load_tokenizer
 from dflash.model.load import load_target
 from dflash.model.pretrain import IGNORE, encode_windows, pack
 from dflash.model.target_dir import TARGET_REFERENCE, resolve_target_path
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

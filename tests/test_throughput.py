@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.train import clock
-from dflash.train.clock import WARMUP_STEPS, StepClock
+from dflash.train.checkpointing.state import TrainState
 from dflash.train.loop import throughput
-from dflash.train.state import TrainState
+from dflash.train.observe import clock
+from dflash.train.observe.clock import WARMUP_STEPS, StepClock
 
 
 def test_warm_up_steps_are_timed_but_not_counted_as_throughput():

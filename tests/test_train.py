@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import read_plan_meta, read_rank_plan
+from dflash.config.params import load_config
 from dflash.data.store import TokenStore
-from dflash.freshness import stale_drafter
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.load import load_target
-from dflash.params import load_config
+from dflash.pipeline.freshness import stale_drafter
 from dflash.train.batches import build_micro_batch
 from dflash.train.plan_check import check_plan
 from dflash.train.step import micro_batch_loss

@@ -13,14 +13,14 @@ from test_train import final_weights
 
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.load import load_target, load_target_shards, shard_start
-from dflash.train.distributed import Dist, from_rank_zero
-from dflash.train.parallel import (
+from dflash.train.distributed.parallel import (
     borrowed_unsharded,
     clip_grad_norm,
     mesh,
     shard_target,
     wrap_drafter,
 )
+from dflash.train.distributed.process_group import Dist, from_rank_zero
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ import torch
 from conftest import survivors
 
 from dflash.errors import ConfigError
-from dflash.lock import WorkspaceBusy, workspace_lock
+from dflash.pipeline.lock import WorkspaceBusy, workspace_lock
+from dflash.pipeline.workspace import Workspace
 from dflash.train import preflight
-from dflash.train.allocator import configure_allocator
-from dflash.train.distributed import init_distributed
-from dflash.workspace import Workspace
+from dflash.train.distributed.allocator import configure_allocator
+from dflash.train.distributed.process_group import init_distributed
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""
@@ -133,7 +133,7 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace, hold
     )
     hold.wait(launcher)
     tree = psutil.Process(launcher.pid).children(recursive=True)
-    ranks = [p for p in tree if "dflash.train.agent" not in " ".join(p.cmdline())]
+    ranks = [p for p in tree if "dflash.train.distributed.agent" not in " ".join(p.cmdline())]
     assert len(ranks) == 2 and len(tree) == 3  # the torchrun agent and its two ranks
     os.killpg(launcher.pid, signal.SIGKILL)
     launcher.wait()

@@ -17,15 +17,15 @@ import pytest
 from torch.distributed import run
 
 from dflash import cli
-from dflash.config import Config, TrainConfig
+from dflash.config.schema import Config, TrainConfig
 from dflash.errors import UserError
-from dflash.lock import FAILURE_LOG
+from dflash.pipeline.lock import FAILURE_LOG
+from dflash.pipeline.workspace import Workspace
 from dflash.stages import train as train_stage
-from dflash.train.agent import meet
 from dflash.train.batches import make_loader
-from dflash.train.launch import Nodes, torchrun_args
-from dflash.train.nodes import differences, shared_params
-from dflash.workspace import Workspace
+from dflash.train.distributed.agent import meet
+from dflash.train.distributed.node_checks import differences, shared_params
+from dflash.train.distributed.nodes import Nodes, torchrun_args
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 LOG = Workspace().train_failures

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_qwen3
+from syncs import HostReads
 
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import build_attention_mask
 from dflash.train.batches import build_micro_batch
-from dflash.train.distributed import Dist
+from dflash.train.distributed.process_group import Dist
 from dflash.train.step import forward_backward
-from dflash.train.syncs import HostReads
 
 PACKED = [[(0, 0, 30), (1, 30, 17)], [(2, 0, 22), (4, 22, 9), (5, 31, 25)]]
 PADDED = [[(3, 0, 40)], [(5, 0, 25)]]

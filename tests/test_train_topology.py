@@ -21,17 +21,17 @@ from conftest import gloo_rank, leave_gloo, run_stages, spawn_ranks, tiny_qwen3
 from test_train import final_weights
 
 from dflash.batching.io import read_rank_plan
-from dflash.config import TrainConfig
+from dflash.config.schema import TrainConfig
 from dflash.data.store import TokenStore
 from dflash.model.features import target_features
 from dflash.model.load import load_target
+from dflash.pipeline.workspace import Workspace
 from dflash.train.batches import build_micro_batch
 from dflash.train.borrowed import load_borrowed
+from dflash.train.distributed.parallel import load_sharded_target
+from dflash.train.distributed.ranks import RankLayout, processes
 from dflash.train.feature_server import padding_forward
-from dflash.train.parallel import load_sharded_target
-from dflash.train.ranks import RankLayout, processes
 from dflash.train.topology import epoch_micro_batches, micro_batch_shape, place, schedule
-from dflash.workspace import Workspace
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""

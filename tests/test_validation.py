@@ -19,10 +19,11 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dflash import cli
+from dflash.config.params import load_config
 from dflash.errors import ConfigError
 from dflash.model.distill import Objective
-from dflash.params import load_config
-from dflash.train import best, checkpoint, simulated
+from dflash.train import simulated
+from dflash.train.checkpointing import best, checkpoint
 from dflash.train.loop import Trainer
 from dflash.train.simulated import SimulatedTau
 

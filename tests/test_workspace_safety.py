@@ -18,18 +18,18 @@ import pytest
 from conftest import run_stages, survivors
 
 from dflash import cli
-from dflash import fingerprint as fingerprints
-from dflash.declaration import COMMANDS, stages
+from dflash.config.params import load_config
 from dflash.fileio import SIGINT_EXIT
-from dflash.lock import workspace_lock
-from dflash.params import load_config
-from dflash.provenance import StaleInput
+from dflash.pipeline import fingerprint as fingerprints
+from dflash.pipeline.declaration import COMMANDS, stages
+from dflash.pipeline.lock import workspace_lock
+from dflash.pipeline.provenance import StaleInput
+from dflash.pipeline.workspace import Workspace
 from dflash.stages import plan as plan_stage
 from dflash.stages import train as train_stage
 from dflash.stages.train import fingerprint
-from dflash.train import checkpoint
-from dflash.train.checkpoint import RunBusy
-from dflash.workspace import Workspace
+from dflash.train.checkpointing import checkpoint
+from dflash.train.checkpointing.checkpoint import RunBusy
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""
@@ -143,7 +143,7 @@ def no_current_run(monkeypatch, tmp_path) -> None:
     (hashing the train stage's code takes seconds)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text(PARAMS)
-    monkeypatch.setattr("dflash.clean._current", lambda config, workspace: None)
+    monkeypatch.setattr("dflash.commands.clean._current", lambda config, workspace: None)
 
 
 def test_a_killed_trainer_frees_its_run_while_its_forked_workers_live_on(tmp_path):
@@ -433,7 +433,7 @@ def test_a_copy_that_rounds_file_times_is_read_again_and_still_refused(tiny_work
 
 
 def test_clean_options_are_exclusive():
-    from dflash.clean import add_arguments
+    from dflash.commands.clean import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

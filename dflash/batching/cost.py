@@ -20,7 +20,7 @@ class CostModel:
     anchors_per_document: int
     block_size: int
     slot_cost: float
-    """No default here: ``batching.slot_cost``'s (``dflash.config``) is the one."""
+    """No default here: ``batching.slot_cost``'s (``dflash.config.schema``) is the one."""
 
     def anchors(self, lengths: np.ndarray) -> np.ndarray:
         """Blocks a document trains at most: its anchors need a whole block after them."""

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 
 from dflash.batching.errors import InvalidPlanError
 from dflash.fileio import atomic_path, write_json_atomic
-from dflash.fingerprint import digest
-from dflash.metrics_schema import PlanSummary
+from dflash.metrics.schema import PlanSummary
+from dflash.pipeline.fingerprint import digest
 
 META_KEY = b"dflash.plan.meta"
 

@@ -25,8 +25,8 @@ from dflash.batching.metrics import structure
 from dflash.batching.params import PlanParams
 from dflash.batching.planner import plan_epoch
 from dflash.batching.stats_files import BUCKETS, HISTOGRAM, LENGTHS, PLOT
+from dflash.config.params import at_least
 from dflash.fileio import atomic_dir, require_only, write_json_atomic
-from dflash.params import at_least
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)

@@ -29,9 +29,9 @@ from dflash.batching.metrics import epoch_metrics, overall
 from dflash.batching.params import PlanParams
 from dflash.batching.registry import strategies, strategy
 from dflash.batching.validate import validate_plans
-from dflash.config import BatchingConfig, Config
+from dflash.config.params import at_least
+from dflash.config.schema import BatchingConfig, Config
 from dflash.fileio import atomic_dir, require_only
-from dflash.params import at_least
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Every batching strategy by name, loaded from its module (``dflash.batching.choices``).
 
-``PLUGIN_PACKAGE`` tells ``dflash.closure`` that this module imports every module of the
+``PLUGIN_PACKAGE`` tells ``dflash.pipeline.closure`` that this module imports every module of the
 package, so a stage that plans depends on all the built-in strategies' code.
 """
 

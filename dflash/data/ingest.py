@@ -21,12 +21,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash.config.params import outside_message
 from dflash.data.chitchat import load_chitchat
 from dflash.data.conversations import SCHEMA, ConversationWriter, iter_batches, open_parquet
 from dflash.data.records import BOM, REASONS, RecordError, content_digest, decode_line, parse_record
 from dflash.errors import ConfigError
 from dflash.fileio import not_a_file
-from dflash.params import outside_message
 
 FIRST_LINES = 5
 """How many line numbers the report keeps per reason: enough to go and look."""

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash.config import Config, RegenerateConfig
+from dflash.config.schema import Config, RegenerateConfig
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import (
     read_conversations,

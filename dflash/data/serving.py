@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import openai
 from openai import AsyncOpenAI
 
-from dflash.config import RegenerateConfig
+from dflash.config.schema import RegenerateConfig
 from dflash.errors import ConfigError
-from dflash.fingerprint import digest
+from dflash.pipeline.fingerprint import digest
 
 TRANSIENT = ("unreachable", "timeout", "server_error", "rate_limited")
 """Failures of the connection or the server: the same request may well succeed later."""

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from dflash.data.conversations import ROW_GROUP, iter_batches
-from dflash.fingerprint import digest
+from dflash.pipeline.fingerprint import digest
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.eval.length_loss import loss_by_tercile, sample_loss
 from dflash.eval.loops import ends_in_loop
 from dflash.eval.lossless import classify

@@ -9,8 +9,8 @@ an output, not a metrics file, so it adds no column to ``dvc exp show``.
 from __future__ import annotations
 
 from dflash.eval.strata import scorecard_rows
-from dflash.headline import EVAL, headline
-from dflash.metrics_schema import EvalDetails, EvalHeadline
+from dflash.metrics.headline import EVAL, headline
+from dflash.metrics.schema import EvalDetails, EvalHeadline
 
 LIVE_SUMMARY = (
     "acceptance_length",

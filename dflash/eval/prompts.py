@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.config import HELDOUT_SET, Config, PromptSetConfig
+from dflash.config.schema import HELDOUT_SET, Config, PromptSetConfig
 from dflash.data.chat import TEMPLATE_FAILURES, template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.ingest import Tally, open_records

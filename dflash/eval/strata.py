@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dflash.config import HELDOUT_SET
+from dflash.config.schema import HELDOUT_SET
 from dflash.eval.metrics import acceptance_by_position, bootstrap_interval, response_tau
-from dflash.metrics_schema import EvalDetails, EvalSet
+from dflash.metrics.schema import EvalDetails, EvalSet
 
 if TYPE_CHECKING:  # torch stays out: the report and publish read the scorecard without a model
     from dflash.eval.prompts import Prompt

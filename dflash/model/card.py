@@ -121,7 +121,7 @@ print(tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
 
 SCORECARD_NOTE = (
     "\nThe scorecard of real speculative decoding: `dflash evaluate`, then "
-    "`python -m dflash.publish DIR` copies this export with it.\n"
+    "`python -m dflash.commands.publish DIR` copies this export with it.\n"
 )
 
 
@@ -135,7 +135,7 @@ def _figures(training: dict[str, Any], scorecard: dict[str, Any] | None) -> str:
 
 
 SCORECARD_HEADING = "## Scorecard"
-"""Opens the scorecard; a card holding it is one ``dflash.publish`` wrote."""
+"""Opens the scorecard; a card holding it is one ``dflash.commands.publish`` wrote."""
 
 
 def scorecard_section(table: list[dict]) -> str:

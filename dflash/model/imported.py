@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from transformers import AutoConfig
 
-from dflash.config import DrafterConfig
+from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.model import hf_files, remote
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids

@@ -20,8 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from dflash.fingerprint import digest, path_digest
 from dflash.model.target_dir import resolve_target_path, weight_files
+from dflash.pipeline.fingerprint import digest, path_digest
 
 logger = logging.getLogger(__name__)
 

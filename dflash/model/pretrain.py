@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from dflash.config import TargetConfig
+from dflash.config.schema import TargetConfig
 from dflash.progress import progress_bar
 
 IGNORE = -100

@@ -5,10 +5,10 @@ refuses the files names the ones it holds otherwise."""
 
 from __future__ import annotations
 
-from dflash.config import Config
-from dflash.declaration import declared_params, restrict, stages, unrestricted
+from dflash.config.schema import Config
+from dflash.pipeline.declaration import declared_params, restrict, stages, unrestricted
+from dflash.pipeline.workspace import Workspace
 from dflash.train.capture import capture
-from dflash.workspace import Workspace
 
 
 def run(config: Config, workspace: Workspace) -> None:

@@ -13,22 +13,22 @@ import sys
 
 import torch
 
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
-from dflash.dvclive_logger import open_live
 from dflash.eval.evaluate import NGRAM_MAX, score, untrained_drafter
 from dflash.eval.ngram import NgramProposer
 from dflash.eval.outputs import eval_headline, live_summary, strata_csv
 from dflash.eval.prompts import prompt_sets
 from dflash.eval.records import prompt_records, records_csv
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
-from dflash.fingerprint import path_digest
-from dflash.freshness import stale_drafter
-from dflash.metrics_schema import EvalDetails
+from dflash.metrics.dvclive import open_live
+from dflash.metrics.schema import EvalDetails
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import DrafterProposer
 from dflash.model.load import load_target
-from dflash.workspace import Workspace
+from dflash.pipeline.fingerprint import path_digest
+from dflash.pipeline.freshness import stale_drafter
+from dflash.pipeline.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

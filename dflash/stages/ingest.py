@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import logging
 
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.ingest import NoConversationsError, ingest, open_source
 from dflash.fileio import atomic_dir, write_json_atomic
-from dflash.metrics_schema import IngestReport
-from dflash.workspace import Workspace
+from dflash.metrics.schema import IngestReport
+from dflash.pipeline.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

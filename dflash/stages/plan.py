@@ -10,12 +10,12 @@ from pathlib import Path
 from dflash.batching.lengths import read_lengths
 from dflash.batching.planner import headline, params_from_config, write_plans
 from dflash.batching.stats_files import BUCKETS
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.store import STORE_INDEX
 from dflash.errors import ConfigError
 from dflash.fileio import write_json_atomic
-from dflash.metrics_schema import PlanMetrics
-from dflash.workspace import Workspace
+from dflash.metrics.schema import PlanMetrics
+from dflash.pipeline.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

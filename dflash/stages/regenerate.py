@@ -16,8 +16,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from dflash.closure import declared_inputs
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.conversations import count_conversations, read_conversations, write_conversations
 from dflash.data.regenerate import (
     COUNTS,
@@ -29,13 +28,14 @@ from dflash.data.regenerate import (
 )
 from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import atomic_path, remove_files
-from dflash.fingerprint import digest, path_digest
-from dflash.headline import write_metrics
-from dflash.metrics_schema import RegenerateHeadline, RegenerateReport
+from dflash.metrics.headline import write_metrics
+from dflash.metrics.schema import RegenerateHeadline, RegenerateReport
 from dflash.model.load import load_target, target_device_dtype
+from dflash.pipeline.closure import declared_inputs
+from dflash.pipeline.fingerprint import digest, path_digest
+from dflash.pipeline.workspace import Workspace
 from dflash.progress import progress_bar
 from dflash.threads import set_cpu_threads
-from dflash.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import logging
 from dflash.batching.length_stats import headline, write_stats
 from dflash.batching.lengths import read_lengths
 from dflash.batching.params import PlanParams
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.store import STORE_INDEX
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

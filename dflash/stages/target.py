@@ -15,13 +15,12 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import IM_END, load_tokenizer
 from dflash.fileio import atomic_dir, remove_files, write_json_atomic
-from dflash.fingerprint import digest
-from dflash.headline import write_metrics
-from dflash.metrics_schema import TargetDetails, TargetHeadline
+from dflash.metrics.headline import write_metrics
+from dflash.metrics.schema import TargetDetails, TargetHeadline
 from dflash.model.layer_ids import check_layer_selection, target_depth
 from dflash.model.load import load_target
 from dflash.model.pretrain import (
@@ -32,8 +31,9 @@ from dflash.model.pretrain import (
     pretrain,
 )
 from dflash.model.target_dir import TARGET_REFERENCE
+from dflash.pipeline.fingerprint import digest
+from dflash.pipeline.workspace import Workspace
 from dflash.threads import set_cpu_threads
-from dflash.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

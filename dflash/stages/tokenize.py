@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import logging
 
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenize import NoSamplesError, Policy, length_summary, tokenize_file, worker_count
 from dflash.data.tokenizer import load_tokenizer
 from dflash.fileio import atomic_dir, write_json_atomic
-from dflash.metrics_schema import TokenizeReport
-from dflash.workspace import Workspace
+from dflash.metrics.schema import TokenizeReport
+from dflash.pipeline.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import logging
 
 from transformers import AutoTokenizer
 
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.tokenizer import (
     INFO_FILE,
     add_mask_token,
@@ -16,7 +16,7 @@ from dflash.data.tokenizer import (
     train_tokenizer,
 )
 from dflash.fileio import atomic_dir, write_json_atomic
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 

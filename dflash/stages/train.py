@@ -1,7 +1,8 @@
 """The train stage (``dflash train``, ``python stages/train.py``): check, lock, launch.
 
-The launching process takes the workspace's lock (:mod:`dflash.lock`), checks the plans and
-the world size once, and only then starts ``torchrun`` (through :mod:`dflash.train.agent`,
+The launching process takes the workspace's lock (:mod:`dflash.pipeline.lock`), checks the plans and
+the world size once, and only then starts ``torchrun`` (through
+:mod:`dflash.train.distributed.agent`,
 which ends a failed job in one line) with the resolved params handed over in a temporary file,
 so ``--set`` overrides reach every rank. The job has
 ``train.world_size`` ranks, plus ``train.target_ranks`` when ``train.topology`` is decoupled
@@ -31,11 +32,11 @@ from pathlib import Path
 
 import yaml
 
-from dflash.closure import declared_inputs
-from dflash.config import Config
-from dflash.declaration import declared_params, unrestricted
+from dflash.config.schema import Config
 from dflash.fileio import remove_files
-from dflash.lock import (
+from dflash.pipeline.closure import declared_inputs
+from dflash.pipeline.declaration import declared_params, unrestricted
+from dflash.pipeline.lock import (
     EXIT_DIR,
     FAILURE_LOG,
     HELD_BY_LAUNCHER,
@@ -43,11 +44,11 @@ from dflash.lock import (
     refused,
     workspace_lock,
 )
-from dflash.train.allocator import configure_allocator
-from dflash.train.files import Declared, TrainFiles, weight_inputs
-from dflash.train.launch import Nodes
-from dflash.train.orphans import die_with_parent, parent_death_signal
-from dflash.workspace import Workspace
+from dflash.pipeline.workspace import Workspace
+from dflash.train.distributed.allocator import configure_allocator
+from dflash.train.distributed.nodes import Nodes
+from dflash.train.distributed.orphans import die_with_parent, parent_death_signal
+from dflash.train.run_files import Declared, TrainFiles, weight_inputs
 
 ONE_NODE = Nodes()
 """A job on this machine alone, which tests launch without node options."""
@@ -81,7 +82,7 @@ def declared(config: Config) -> Declared:
 
 def fingerprint(config: Config, workspace: Workspace | None = None) -> str:
     """The checkpoint fingerprint a run of ``config`` in ``workspace`` resumes only into."""
-    from dflash.train.checkpoint import run_fingerprint
+    from dflash.train.checkpointing.checkpoint import run_fingerprint
 
     files = train_files(workspace or Workspace(), config)
     return run_fingerprint(files, weight_inputs(files, declared(config)))
@@ -95,9 +96,9 @@ def run(config: Config, workspace: Workspace, options: argparse.Namespace | None
 
 
 def _rank(config: Config, workspace: Workspace) -> int:
-    from dflash.train.distributed import init_distributed
+    from dflash.train.distributed.node_checks import agree_params
+    from dflash.train.distributed.process_group import init_distributed
     from dflash.train.loop import train
-    from dflash.train.nodes import agree_params
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops its ranks, blocked or not
     die_with_parent()
@@ -111,9 +112,9 @@ def _rank(config: Config, workspace: Workspace) -> int:
 
 def _launch(config: Config, workspace: Workspace, options: argparse.Namespace | None) -> int:
     with workspace_lock(workspace.lock, "train") as lock:
-        from dflash.train.launch import nodes_of
+        from dflash.train.distributed.nodes import nodes_of
+        from dflash.train.distributed.ranks import processes
         from dflash.train.preflight import preflight
-        from dflash.train.ranks import processes
 
         nodes = nodes_of(options, processes(config.train), config.train)
         files = train_files(workspace, config)
@@ -133,9 +134,9 @@ def _torchrun(
     nodes: Nodes = ONE_NODE,
     options: argparse.Namespace | None = None,
 ) -> int:
-    from dflash.train import agent
-    from dflash.train.launch import torchrun_args, worker_command
-    from dflash.train.ranks import processes
+    from dflash.train.distributed import agent
+    from dflash.train.distributed.nodes import torchrun_args, worker_command
+    from dflash.train.distributed.ranks import processes
 
     if nodes.many and nodes.rank == 0:
         joins = "\n".join(f"  {worker_command(nodes, options, r)}" for r in range(1, nodes.count))
@@ -177,7 +178,7 @@ def _torchrun(
 def _outcome(config: Config, workspace: Workspace, code: int, failed: int | None) -> int:
     """The job's exit status, said: a run that wrote its outputs whole is complete whatever
     rank failed after; in a decoupled job, the failed rank's role."""
-    from dflash.train.ranks import RankLayout
+    from dflash.train.distributed.ranks import RankLayout
 
     if code != 0 and _finished(workspace):
         print(
@@ -213,6 +214,6 @@ def _stop(job: subprocess.Popen) -> None:
 
 
 def _finished(workspace: Workspace) -> bool:
-    from dflash.freshness import stale_drafter
+    from dflash.pipeline.freshness import stale_drafter
 
     return workspace.train_metrics.exists() and stale_drafter(workspace.root) is None

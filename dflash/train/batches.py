@@ -24,7 +24,7 @@ from dflash.model.anchors import sample_anchors
 from dflash.model.features import packing
 from dflash.model.objective import LabelPlan, label_plan
 from dflash.model.target_attention import DocumentLayout
-from dflash.train.orphans import die_with_parent
+from dflash.train.distributed.orphans import die_with_parent
 
 
 @dataclass

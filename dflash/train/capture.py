@@ -36,14 +36,14 @@ from typing import Any
 import torch
 from safetensors.torch import load, save
 
-from dflash.config import Config
+from dflash.config.params import set_option
+from dflash.config.schema import Config
 from dflash.data.store import TokenStore
 from dflash.errors import ConfigError, UserError
 from dflash.fileio import atomic_dir, not_a_file
 from dflash.model.distill import Objective
 from dflash.model.hidden_states import EngineClient, EngineError, engine_layer_ids, hidden_transfer
 from dflash.model.load import target_device_dtype, target_digest
-from dflash.params import set_option
 
 logger = logging.getLogger(__name__)
 

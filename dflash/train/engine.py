@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dflash.batching.io import Row
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.store import TokenStore
 from dflash.model.hidden_states import (
     BadStates,
@@ -30,9 +30,9 @@ from dflash.model.hidden_states import (
 )
 from dflash.train.batches import MicroBatch
 from dflash.train.capture import SAMPLE, CapturedFiles, CaptureError, check_capture, distills
-from dflash.train.distributed import Dist
-from dflash.train.files import TrainFiles
+from dflash.train.distributed.process_group import Dist
 from dflash.train.prefetch import Window
+from dflash.train.run_files import TrainFiles
 from dflash.train.topology import fractions, micro_batch_shape
 
 Fetch = Callable[[int, list[int], str], torch.Tensor]

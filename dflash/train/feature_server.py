@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.model.distill import objective_of
@@ -27,12 +27,12 @@ from dflash.model.features import sliding_windows, target_features
 from dflash.model.load import load_target
 from dflash.train import simulated
 from dflash.train.batches import build_micro_batch
-from dflash.train.distributed import Dist
-from dflash.train.files import TrainFiles
+from dflash.train.distributed.parallel import load_sharded_target
+from dflash.train.distributed.process_group import Dist
+from dflash.train.distributed.ranks import RankLayout
 from dflash.train.init_drafter import tapped_layers
-from dflash.train.parallel import load_sharded_target
-from dflash.train.pilot import epoch_limits
-from dflash.train.ranks import RankLayout
+from dflash.train.observe.pilot import epoch_limits
+from dflash.train.run_files import TrainFiles
 from dflash.train.step import micro_batch_features
 from dflash.train.topology import fractions, schedule, start_point, wait
 

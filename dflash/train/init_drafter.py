@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from dflash.config import DrafterConfig
+from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.imported import (

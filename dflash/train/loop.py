@@ -20,26 +20,36 @@ import torch
 
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.errors import ConfigError, RunStopped
 from dflash.fileio import remove_files
-from dflash.fingerprint import path_digest
-from dflash.headline import write_metrics
-from dflash.metrics_schema import TrainDetails, TrainHeadline
+from dflash.metrics import names as metric_names
+from dflash.metrics.headline import write_metrics
+from dflash.metrics.schema import TrainDetails, TrainHeadline
 from dflash.model.distill import objective_of
 from dflash.model.drafter_attention import flex_available, flex_compiles
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, target_device_dtype
+from dflash.pipeline.fingerprint import path_digest
 from dflash.progress import progress_bar
-from dflash.train import best, checkpoint, metric_names, nodes, topology
+from dflash.train import topology
 from dflash.train.batches import MicroBatch, PlannedSteps, StepBuilder, make_loader
 from dflash.train.borrowed import load_borrowed
-from dflash.train.clock import StepClock
-from dflash.train.composition import class_name, length_classes
-from dflash.train.distributed import (
+from dflash.train.checkpointing import best, checkpoint
+from dflash.train.checkpointing.parts import ModelPart, full_model_state
+from dflash.train.checkpointing.state import TrainState
+from dflash.train.distributed import node_checks as nodes
+from dflash.train.distributed.parallel import (
+    borrowed_unsharded,
+    clip_grad_norm,
+    load_sharded_target,
+    sharded,
+    wrap_drafter,
+)
+from dflash.train.distributed.process_group import (
     Dist,
     all_reduce_sum,
     barrier,
@@ -49,22 +59,15 @@ from dflash.train.distributed import (
 )
 from dflash.train.engine import by_document, document_features
 from dflash.train.feature_server import receive_row, serve
-from dflash.train.files import Declared, TrainFiles, weight_inputs
 from dflash.train.init_drafter import build_drafter
-from dflash.train.monitor import Monitor
+from dflash.train.observe.clock import StepClock
+from dflash.train.observe.composition import class_name, length_classes
+from dflash.train.observe.monitor import Monitor
+from dflash.train.observe.pilot import epoch_limits, projected_hours
 from dflash.train.optim import Optimization
-from dflash.train.parallel import (
-    borrowed_unsharded,
-    clip_grad_norm,
-    load_sharded_target,
-    sharded,
-    wrap_drafter,
-)
-from dflash.train.parts import ModelPart, full_model_state
-from dflash.train.pilot import epoch_limits, projected_hours
 from dflash.train.plan_check import check_epoch_file, check_plan
+from dflash.train.run_files import Declared, TrainFiles, weight_inputs
 from dflash.train.simulated import SimulatedTau
-from dflash.train.state import TrainState
 from dflash.train.step import forward_backward
 from dflash.train.topology import Placement, feature_source
 
@@ -222,7 +225,7 @@ class Trainer:
         """Train; ``metrics/train.json``, written last, records the drafter it finished.
 
         It is removed first, so after an interrupted run its absence says that
-        ``models/drafter`` (if any) is older than the last run (:mod:`dflash.freshness`),
+        ``models/drafter`` (if any) is older than the last run (:mod:`dflash.pipeline.freshness`),
         and a kill never leaves the previous run's metrics beside a new drafter.
         """
         t = self.config.train

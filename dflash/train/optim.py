@@ -25,7 +25,7 @@ from transformers import (
     get_wsd_schedule,
 )
 
-from dflash.train.parts import OptimizerPart
+from dflash.train.checkpointing.parts import OptimizerPart
 
 MUON_PREFIX = "layers."
 """Parameters under this name belong to the drafter's hidden layers: the ones Muon may take."""

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import META_KEY, PLAN_SUMMARY, lengths_fingerprint
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.store import TokenStore
 
 

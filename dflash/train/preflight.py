@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 
 from dflash.batching.io import read_plan_meta
-from dflash.config import Config
+from dflash.config.schema import Config
 from dflash.data.store import TokenStore
 from dflash.errors import ConfigError
 from dflash.model.layer_ids import check_layer_selection
 from dflash.model.target_dir import resolve_target_path, weights_bytes
-from dflash.train.files import TrainFiles
+from dflash.train.distributed.ranks import processes
 from dflash.train.plan_check import check_plan
-from dflash.train.ranks import processes
+from dflash.train.run_files import TrainFiles
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dflash.model.distill import PAPER, Objective
 from dflash.model.features import target_features
 from dflash.model.objective import ObjectiveOutput, dflash_objective
 from dflash.train.batches import MicroBatch
-from dflash.train.distributed import Dist, all_reduce_sum
-from dflash.train.parallel import borrowed_unsharded, no_sync
+from dflash.train.distributed.parallel import borrowed_unsharded, no_sync
+from dflash.train.distributed.process_group import Dist, all_reduce_sum
 
 TINY_WEIGHT = 1e-12
 """Floor of the step's loss-weight sum: a step without labels divides by it, not by zero."""

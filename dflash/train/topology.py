@@ -32,11 +32,11 @@ import torch
 import torch.distributed as dist
 
 from dflash.batching.io import Row
-from dflash.config import TrainConfig
+from dflash.config.schema import TrainConfig
 from dflash.train.batches import MicroBatch
-from dflash.train.distributed import Dist
+from dflash.train.distributed.process_group import Dist
+from dflash.train.distributed.ranks import RankLayout, processes, shards_target
 from dflash.train.prefetch import Window, epoch_micro_batches
-from dflash.train.ranks import RankLayout, processes, shards_target
 from dflash.train.step import micro_batch_features
 
 TIMEOUT = timedelta(seconds=600)

@@ -1,0 +1,1 @@
+"""The commands that read a workspace: clean, report, publish, compare."""

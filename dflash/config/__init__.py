@@ -1,0 +1,1 @@
+"""The typed params: their schema, building blocks, loading and the generated page."""

@@ -1,0 +1,1 @@
+"""What the stages report: the metric names, the typed metrics files, the headline and DVCLive."""

@@ -1,0 +1,1 @@
+"""The pipeline's bookkeeping: declaration, code closure, provenance, freshness, paths, lock."""

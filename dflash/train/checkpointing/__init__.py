@@ -1,0 +1,1 @@
+"""Checkpoints of a run: its parts, its progress, the best weights, and safe reading."""

@@ -1,0 +1,1 @@
+"""Processes of a training job: nodes, the launch agent, process groups, ranks and parallelism."""

@@ -1,0 +1,1 @@
+"""What a run shows of itself: monitors, step clocks, stability, composition, pilots."""
