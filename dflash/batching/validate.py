@@ -16,7 +16,7 @@ import pyarrow as pa
 from dflash.batching import io
 from dflash.batching.cost import BY_PADDED_TOKENS, CostModel
 from dflash.batching.errors import BatchingError, InvalidPlanError
-from dflash.batching.metrics import epoch_metrics, structure
+from dflash.batching.metrics import Structure, epoch_metrics, structure
 from dflash.batching.registry import strategy
 from dflash.batching.strategy import Strategy
 
@@ -56,7 +56,8 @@ def validate_plans(plans_dir: str | Path, lengths: np.ndarray) -> dict[str, Any]
 
 
 def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoch: int) -> None:
-    """The invariants of one epoch table against the lengths and the plan's meta."""
+    """The invariants of one epoch table against the lengths and the plan's meta: its columns,
+    then its samples, slots, rows and the strategy's limits; the first broken one raises."""
     where = f"epoch {epoch}"
     made_by = _strategy(meta)
     _require(
@@ -65,7 +66,15 @@ def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoc
     )
     col = {name: table.column(name).to_numpy() for name in table.column_names}
     _require(bool(np.all(col["epoch"] == epoch)), f"{where}: column 'epoch' is not {epoch}")
+    _check_samples(col, lengths, where)
+    s = structure(table)
+    _check_slots(col, s, meta, where)
+    _check_rows(col, s, lengths.size, made_by, where)
+    _check_limits(col, s, meta, made_by, where)
 
+
+def _check_samples(col: dict[str, np.ndarray], lengths: np.ndarray, where: str) -> None:
+    """Every sample placed exactly once, with its length, in plan order."""
     n = lengths.size
     ids = col["sample_id"]
     _require(bool(np.all((ids >= 0) & (ids < n))), f"{where}: a sample_id is outside 0..{n - 1}")
@@ -80,12 +89,16 @@ def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoc
     )
     _check_order(col, where)
 
+
+def _check_slots(
+    col: dict[str, np.ndarray], s: Structure, meta: dict[str, Any], where: str
+) -> None:
+    """Every (step, rank, micro) slot holds one micro-batch, and the last step is whole."""
     world, accum = meta["world_size"], meta["grad_accum"]
     _require(
         bool(np.all(col["rank"] < world) and np.all(col["micro"] < accum)),
         f"{where}: a rank >= world_size = {world} or a micro >= grad_accum = {accum}",
     )
-    s = structure(table)
     mb_starts = np.flatnonzero(np.diff(s.mb_id, prepend=-1))
     slots = (col["step"][mb_starts] * world + col["rank"][mb_starts]) * accum
     slots += col["micro"][mb_starts]
@@ -98,6 +111,13 @@ def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoc
     )
     _require(slots.size % (world * accum) == 0, f"{where}: the last step is incomplete")
 
+
+def _check_rows(
+    col: dict[str, np.ndarray], s: Structure, n: int, made_by: Strategy, where: str
+) -> None:
+    """Rows numbered from 0 in each micro-batch, each sample at the tokens before it in its
+    row; one sample a row unless the strategy packs rows. ``n``: the samples."""
+    ids = col["sample_id"]
     row_mb = s.mb_id[s.row_starts]
     first_row = np.flatnonzero(np.diff(row_mb, prepend=-1))
     expected_row = np.arange(s.row_starts.size) - first_row[row_mb]
@@ -124,6 +144,14 @@ def check_epoch(table: pa.Table, lengths: np.ndarray, meta: dict[str, Any], epoc
         made_by.packs_rows or s.row_starts.size == n,
         f"{where}: '{made_by.name}' rows hold one sample",
     )
+
+
+def _check_limits(
+    col: dict[str, np.ndarray], s: Structure, meta: dict[str, Any], made_by: Strategy, where: str
+) -> None:
+    """No sample over ``max_seq_len``, no micro-batch over ``max_batch_size`` rows or the
+    token budget, and no micro-batch mixing buckets when the strategy buckets."""
+    ids = col["sample_id"]
     _first(
         col["length"] > meta["max_seq_len"],
         lambda i: f"{where}: sample {ids[i]} has {col['length'][i]} tokens > max_seq_len",
