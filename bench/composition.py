@@ -115,7 +115,8 @@ def train(strategy: str, sets: list[str], source: Path) -> dict:
         dflash_cli("plan", run_sets, work)
         dflash_cli("train", run_sets, work)
         lengths = [
-            float(r["mean_length"]) for r in csv.DictReader(open(work / RELATIVE.train_steps))
+            float(r["mean_sample_length"])
+            for r in csv.DictReader(open(work / RELATIVE.train_steps))
         ]
         spread = {"length_cv": float(np.std(lengths) / np.mean(lengths))}
         return json.loads((work / RELATIVE.train_details).read_text()) | spread

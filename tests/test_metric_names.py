@@ -1,37 +1,67 @@
-"""The names a run writes are declared once (:mod:`dflash.metrics.names`), those of its
-metrics files checked against their models before training, and each producer writes exactly
-its list."""
+"""The training metrics are one table (:mod:`dflash.metrics.names`): the metrics files' models,
+the plot columns, the model card, the report and compare derive from it, and each producer
+writes exactly its rows."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from dflash.metrics import names as metric_names
-from dflash.metrics.names import PLOT_COLUMNS, SERIES, SUMMARY, MetricNameError
+from dflash.commands import report
+from dflash.commands.compare import paired
+from dflash.metrics import names
+from dflash.metrics.names import (
+    COMPARE,
+    FEATURES,
+    HEADLINE,
+    PLOT_COLUMNS,
+    REPORT,
+    SERIES,
+    STABILITY,
+    SUMMARY,
+    TRAIN,
+    MetricTableError,
+    plotted,
+    shown,
+    written_by,
+)
+from dflash.metrics.schema import TrainDetails, TrainHeadline, leaves
+from dflash.model.card import TRAINING_KEYS
 from dflash.train.checkpointing.state import TrainState
-from dflash.train.loop import Trainer, _Window
 from dflash.train.observe.monitor import Monitor
+from dflash.train.observe.summary import run_summary
+from dflash.train.observe.window import Window
 from dflash.train.topology import ColocatedFeatures
 
 
-def test_the_declared_names_fit_the_files_they_end_up_in():
-    metric_names.check()
+def test_every_list_of_training_metrics_is_the_tables():
+    summary = {m.name for m in TRAIN if m.by is not None}
+    assert list(TrainDetails.model_fields) == sorted(summary)
+    assert leaves(TrainHeadline) == tuple(m.name for m in shown(HEADLINE))
+    assert set(TRAINING_KEYS) <= summary
+    cells = [(label, key) for row in report.TRAINING for label, key, _ in row]
+    assert cells == [(m.label, m.name) for m in shown(REPORT)]
+    assert list(paired.TRAIN_FIGURES) == [(m.label, m.name) for m in shown(COMPARE)]
+
+
+def test_a_figure_has_one_name():
+    assert "mean_sample_length" in PLOT_COLUMNS and "mean_sample_length" in names.STEP_COLUMNS
+    assert not any(m.name == "mean_length" for m in TRAIN)
 
 
 @pytest.mark.parametrize(
-    "patch, named",
+    "row, named",
     [
-        ({"SUMMARY": {**SUMMARY, "the export": ("drafter_sha265",)}}, "drafter_sha265"),
-        ({"SUMMARY": {**SUMMARY, "the export": ()}}, "requires 'drafter_sha256'"),
-        ({"TRAINING_KEYS": ("final_los",)}, "final_los"),
+        (replace(TRAIN[0]), "step is listed twice"),
+        (replace(TRAIN[0], name="x", shown=(HEADLINE,)), "x is shown, but no summary figure"),
+        (replace(TRAIN[0], name="x", by=SUMMARY), "x: a summary figure needs a type"),
+        (replace(TRAIN[0], name="x", type=int, by=SUMMARY, shown=(REPORT,)), "x: a figure on"),
     ],
 )
-def test_a_misspelt_name_is_refused_before_the_trainer_loads_anything(monkeypatch, patch, named):
-    for attribute, value in patch.items():
-        monkeypatch.setattr(metric_names, attribute, value)
-    with pytest.raises(MetricNameError, match=named):
-        Trainer(None, None, None, None)  # nothing to load: the check comes first
+def test_a_row_that_cannot_be_what_it_says_is_refused(row, named):
+    with pytest.raises(MetricTableError, match=named):
+        names.check((*TRAIN, row))
 
 
 def _result() -> dict:
@@ -42,21 +72,20 @@ def _result() -> dict:
     }  # fmt: skip
 
 
-def test_each_producer_writes_exactly_its_declared_names():
-    window = _Window()
+def test_each_producer_writes_exactly_its_rows():
+    window = Window()
     window.add(_result(), seconds=1.0, wait=0.1, length_class="short")
-    assert {*window.row(step=1, epoch=0), "simulated_tau"} == {*PLOT_COLUMNS, *SERIES}
+    assert {*window.row(step=1, epoch=0), "simulated_tau"} == {*PLOT_COLUMNS, *plotted(SERIES)}
 
-    trainer = SimpleNamespace(
-        state=TrainState(), simulated=None, plan_tokens=0, timed=[], total_steps=1,
-        config=SimpleNamespace(train=SimpleNamespace(epochs=1)),
-        ctx=SimpleNamespace(world_size=1), drafter_sources=None,
+    summary = run_summary(
+        TrainState(), tau_seconds=None, plan_tokens=0, timed=[], planned_steps=1, epochs=1,
+        world_size=1, drafter_sources=None,
     )  # fmt: skip
-    assert list(Trainer._summary(trainer)) == list(SUMMARY["Trainer._summary"])
+    assert set(summary) == set(written_by(SUMMARY))
 
     balance = ColocatedFeatures(torch.nn.Identity(), []).finish()
-    assert list(balance) == list(SUMMARY["the feature source's finish()"])
+    assert list(balance) == list(written_by(FEATURES))
 
-    history = {"loss": [], "grad_norm": [], "mean_length": []}
+    history = {name: [] for name in names.STEP_COLUMNS}
     figures = Monitor.stability(SimpleNamespace(history=history))
-    assert list(figures) == list(SUMMARY["Monitor.stability"])
+    assert list(figures) == list(written_by(STABILITY))

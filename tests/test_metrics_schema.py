@@ -19,7 +19,7 @@ from dflash.metrics import schema as ms
 from dflash.metrics.headline import write_metrics
 from dflash.pipeline.workspace import Workspace
 from dflash.train.checkpointing.state import TrainState
-from dflash.train.loop import NO_HELDOUT, NO_STEP, NOT_FINITE, final_figures
+from dflash.train.observe.summary import NO_HELDOUT, NO_STEP, NOT_FINITE, final_figures
 
 WS = Workspace(Path())
 SCHEMAS = Path("docs/schemas")

@@ -46,9 +46,11 @@ def test_length_classes_are_the_stats_stages_quantile_buckets(tmp_path):
     assert length_classes(tmp_path / "missing.json") == [] and class_name([], 5) is None
 
 
-def test_step_csv_pairs_each_loss_with_its_mean_length():
-    history = {"step": [1, 3], "loss": [2.0, 1.5], "mean_length": [40.0, 80.0], "grad_norm": [1, 2]}
+def test_step_csv_pairs_each_loss_with_its_mean_sample_length():
+    history = {"step": [1, 3], "loss": [2.0, 1.5], "mean_sample_length": [40.0, 80.0],
+               "grad_norm": [1, 2]}  # fmt: skip
     assert steps_to_csv(history).splitlines() == [
-        "step,loss,mean_length,grad_norm", "1,2.0,40.0,1", "3,1.5,80.0,2"
+        "step,loss,grad_norm,mean_sample_length", "1,2.0,1,40.0", "3,1.5,2,80.0"
     ]  # fmt: skip
-    assert steps_to_csv({"loss": [1.0]}).splitlines() == ["step,loss,mean_length,grad_norm"]
+    header = "step,loss,grad_norm,mean_sample_length"
+    assert steps_to_csv({"loss": [1.0]}).splitlines() == [header]

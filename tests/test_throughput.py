@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from dflash.train.checkpointing.state import TrainState
-from dflash.train.loop import throughput
 from dflash.train.observe import clock
 from dflash.train.observe.clock import WARMUP_STEPS, StepClock
+from dflash.train.observe.summary import throughput
 
 
 def test_warm_up_steps_are_timed_but_not_counted_as_throughput():

@@ -151,7 +151,7 @@ def test_a_pilot_stops_at_max_steps_on_the_full_runs_schedule(tiny_workspace):
     # The full run's cosine: three steps in, the rate has barely left its peak of 3e-3.
     assert [int(r["step"]) for r in rows] == [1, 2, 3] and float(rows[-1]["lr"]) > 2.9e-3
     steps = list(csv.DictReader(open(tiny_workspace / "plots/train/steps.csv")))
-    assert len(steps) == 3 and all(float(r["mean_length"]) > 0 for r in steps)
+    assert len(steps) == 3 and all(float(r["mean_sample_length"]) > 0 for r in steps)
     by_class = tiny_workspace / "dvclive/train/plots/metrics/train/loss_by_length"
     assert any(by_class.iterdir())
     assert (tiny_workspace / "models/drafter/model.safetensors").is_file()

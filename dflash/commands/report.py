@@ -22,6 +22,7 @@ from dflash.data.store import STORE_MANIFEST
 from dflash.eval.loops import text_ends_in_loop
 from dflash.eval.strata import scorecard_rows
 from dflash.metrics import schema as ms
+from dflash.metrics.names import REPORT, shown
 from dflash.pipeline.freshness import stale_drafter
 from dflash.pipeline.workspace import RELATIVE, Workspace
 
@@ -128,16 +129,10 @@ BATCHING: list[list[Cell]] = [
     [("pair overlap", "pair_overlap", ".3f"), ("window KS", "window_ks", ".3f")],
 ]  # fmt: skip
 TRAINING: list[list[Cell]] = [
-    [("final loss", "final_loss", ".3f"), ("accuracy", "final_accuracy", ".3f"),
-     ("steps", "steps", ",")],
-    [("tokens/s", "tokens_per_s", ",.0f"), ("padded tok/s", "padded_tokens_per_s", ",.0f"),
-     ("skipped steps", "skipped_steps", ",")],
-    [("data wait", "data_wait_fraction", ".1%"), ("world size", "world_size", ","),
-     ("seconds", "train_seconds", ",.0f")],
-    [("loss spikes", "loss_spikes", ","), ("grad-norm CV", "grad_norm_cv", ".2f"),
-     ("loss~length", "loss_length_corr", ".2f")],
-    [("planned steps", "planned_steps", ","), ("projected h", "projected_hours", ".2f")],
-]  # fmt: skip
+    [(m.label, m.name, m.spec) for m in shown(REPORT)[i : i + 3]]
+    for i in range(0, len(shown(REPORT)), 3)
+]
+"""The training figures :data:`dflash.metrics.names.REPORT` names, in the table's order."""
 EVALUATION: list[list[Cell]] = [
     [("tau/response", "acceptance_length", ".2f"), ("tau 95% CI", "ci", "s"),
      ("tau pooled", "acceptance_length_pooled", ".2f")],

@@ -20,7 +20,9 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
+
+from dflash.metrics import names
 
 NULL_REASONS = "null_reasons"
 """The key of a file's reasons for its null figures (a file holds no NaN: JSON has none)."""
@@ -229,56 +231,23 @@ class PlanSummary(PlanMetrics):
 
 
 # ------------------------------------------------------------------ training
-class TrainDetails(Metrics):
-    """``metrics/train_details.json`` (keys sorted)."""
+def _train_model(name: str, doc: str, metrics: tuple[names.Metric, ...]) -> type[Metrics]:
+    """A model of the training metrics ``metrics``, built from their rows
+    (:mod:`dflash.metrics.names`), in their order."""
+    fields: dict[str, Any] = {
+        m.name: (m.type, Field(m.default, description=m.doc)) for m in metrics
+    }  # a default of ``...`` (names.REQUIRED): a key the file always holds
+    return create_model(name, __base__=Metrics, __doc__=doc, __module__=__name__, **fields)
 
-    best_step: int | None = None
-    """``train.keep_best``: the step of the validation with the highest
-    ``val_simulated_tau``, whose drafter was exported (absent when no validation ran)."""
-    best_val_simulated_tau: float | None = None
-    """That validation's simulated τ on the held-out batch."""
-    data_wait_fraction: float
-    drafter_sha256: str
-    drafter_sources: dict[str, str] | None = None
-    """Each drafter geometry param's value and where it came from (params, or the checkpoint
-    ``drafter.init_from`` names, then also under ``init_from``)."""
-    drafter_wait_fraction: float
-    epochs: int
-    final_accuracy: float | None
-    """The last logged row's accuracy on the training batches (None: see ``null_reasons``)."""
-    final_loss: float | None
-    """The mean loss of the last epoch's finite steps (None: see ``null_reasons``)."""
-    final_simulated_tau: float | None
-    """The last logged row's τ on the held-out batch (None: see ``null_reasons``)."""
-    flex_compiles: int
-    grad_norm_cv: float | None
-    loss_length_corr: float | None
-    """Spearman correlation of the finite steps' losses with their mean sample lengths."""
-    loss_spikes: int
-    null_reasons: dict[str, str] | None = None
-    """Why a figure is null, by its key: no step ran, none was finite, no held-out batch.
-    Absent when every figure has a value."""
-    padded_tokens_per_s: float
-    padding_efficiency: float
-    planned_steps: int
-    """Optimizer steps of the full run; ``steps`` is fewer in a pilot (``train.max_steps``)."""
-    restarts: int = 0
-    """Times torchrun restarted the job after a rank failed (``train.max_restarts``), each
-    from the last checkpoint."""
-    projected_hours: float | None
-    """The full run's hours on the plan's ranks: the seconds trained, plus the plan's
-    remaining real tokens at the rate of the later half of the steps past warm-up (None
-    when no step ran)."""
-    simulated_tau_cost: float
-    skipped_steps: int
-    steps: int
-    target_forwards: int | None = None
-    """Target forwards the run's features took: one per micro-batch in process or on target
-    ranks, one per document on engines, 0 from the capture stage's files."""
-    target_idle_fraction: float
-    tokens_per_s: float
-    train_seconds: float
-    world_size: int
+
+TrainDetails = _train_model(
+    "TrainDetails", "``metrics/train_details.json`` (keys sorted).", names.details()
+)
+TrainHeadline = _train_model(
+    "TrainHeadline",
+    "``metrics/train.json``: written last, so its presence says the run finished.",
+    names.shown(names.HEADLINE),
+)
 
 
 # ------------------------------------------------------------------ evaluation
@@ -374,23 +343,6 @@ class RegenerateHeadline(Metrics):
     turns_regenerated: int | None = None
     tokens_generated: int | None = None
     unterminated_responses: int | None = None
-
-
-class TrainHeadline(Metrics):
-    """``metrics/train.json``: written last, so its presence says the run finished."""
-
-    tokens_per_s: float
-    padded_tokens_per_s: float
-    padding_efficiency: float
-    steps: int
-    final_loss: float | None
-    loss_spikes: int
-    grad_norm_cv: float | None
-    loss_length_corr: float | None
-    target_idle_fraction: float
-    drafter_wait_fraction: float
-    null_reasons: dict[str, str] | None = None
-    """Why a figure of this file is null, by its key; absent when every one has a value."""
 
 
 class BaselineHeadline(Metrics):

@@ -13,24 +13,12 @@ from typing import Any
 
 import yaml
 
+from dflash.metrics.names import CARD, shown
 from dflash.model.hf_files import REMOTE_CODE
 
-TRAINING_KEYS = (
-    "final_loss",
-    "final_accuracy",
-    "final_simulated_tau",
-    "steps",
-    "best_step",
-    "best_val_simulated_tau",
-    "epochs",
-    "world_size",
-    "padding_efficiency",
-    "skipped_steps",
-    "loss_spikes",
-)
-"""Training figures the card shows: the run's outcome, never its timings, so the same run
-writes the same card (and ``models/drafter`` keeps one hash) on the same machine. A
-``train.keep_best`` run also shows the step whose weights it holds."""
+TRAINING_KEYS = tuple(m.name for m in shown(CARD))
+"""Training figures the card shows (:data:`dflash.metrics.names.CARD`): the run's outcome,
+never its timings. A ``train.keep_best`` run also shows the step whose weights it holds."""
 SCORECARD_KEYS = {
     "acceptance_length": "τ (acceptance length, per response)",
     "acceptance_length_ci95": "τ 95% interval",

@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import math
-import os
 import time
 from typing import Any
 
@@ -25,11 +24,10 @@ from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
 from dflash.errors import ConfigError, RunStopped
 from dflash.fileio import remove_files
-from dflash.metrics import names as metric_names
 from dflash.metrics.headline import write_metrics
 from dflash.metrics.schema import TrainDetails, TrainHeadline
 from dflash.model.distill import objective_of
-from dflash.model.drafter_attention import flex_available, flex_compiles
+from dflash.model.drafter_attention import flex_available
 from dflash.model.export import export_run
 from dflash.model.features import sliding_windows
 from dflash.model.load import load_target, target_device_dtype
@@ -63,7 +61,9 @@ from dflash.train.init_drafter import build_drafter
 from dflash.train.observe.clock import StepClock
 from dflash.train.observe.composition import class_name, length_classes
 from dflash.train.observe.monitor import Monitor
-from dflash.train.observe.pilot import epoch_limits, projected_hours
+from dflash.train.observe.pilot import epoch_limits
+from dflash.train.observe.summary import run_summary
+from dflash.train.observe.window import Window, mean_sample_length
 from dflash.train.optim import Optimization
 from dflash.train.plan_check import check_epoch_file, check_plan
 from dflash.train.run_files import Declared, TrainFiles, weight_inputs
@@ -101,7 +101,6 @@ class Trainer:
         ctx: Dist,
         placement: Placement | None = None,
     ) -> None:
-        metric_names.check()  # before hours of training, not after
         self.config = config
         self.files = files
         self.declared = declared
@@ -248,7 +247,12 @@ class Trainer:
         forwards = torch.tensor([balance.pop("target_forwards")], dtype=torch.float64)
         balance["target_forwards"] = int(all_reduce_sum(self.ctx, forwards)[0])
         self._save()
-        summary = self._summary() | balance
+        summary = run_summary(
+            s, tau_seconds=self.simulated.seconds if self.simulated else None,
+            plan_tokens=self.plan_tokens, timed=self.timed, planned_steps=self.total_steps,
+            epochs=t.epochs, world_size=self.ctx.world_size,
+            drafter_sources=self.drafter_sources,
+        ) | balance  # fmt: skip
         if t.keep_best and s.best_step >= 0:
             weights = best.load(self.run_dir, s.best_step) if self.ctx.is_main else {}
             summary |= {
@@ -288,7 +292,7 @@ class Trainer:
             disable=not self.ctx.is_main,
             dynamic_ncols=True,
         )
-        window = _Window()
+        window = Window()
         iterator = iter(self.loader)
         for _ in range(len(self.planned)):
             t0 = time.perf_counter()
@@ -298,10 +302,10 @@ class Trainer:
             result = self._step(micro_batches)
             seconds, timed = self.clock.stop(began)
             self._record(epoch, result, seconds, wait, timed)
-            length_class = class_name(self.length_classes, mean_length(result))
+            length_class = class_name(self.length_classes, mean_sample_length(result))
             window.add(result, seconds, wait, length_class)
             if monitor is not None:
-                monitor.step(result, self.state.global_step, mean_length(result))
+                monitor.step(result, self.state.global_step, mean_sample_length(result))
             bar.update(1)
             bar.set_postfix(loss=f"{result['loss']:.3f}", lr=f"{result['lr']:.2e}")
             step = self.state.global_step
@@ -312,7 +316,7 @@ class Trainer:
             if step % c.logging.every == 0 or epoch_end:
                 tau = self._simulated_tau(row.get("val_simulated_tau"))  # every rank: FSDP-safe
                 row = window.row(step, epoch) | tau | row
-                window = _Window()
+                window = Window()
             if row and monitor is not None:
                 monitor.log(row)
             if step % c.train.checkpoint_every == 0:
@@ -446,127 +450,3 @@ class Trainer:
                 f"train.max_nonfinite_steps = {limit}) at global step "
                 f"{s.global_step}: lower train.lr or check the data"
             )
-
-    def _summary(self) -> dict[str, Any]:
-        s = self.state
-        finals, null_reasons = final_figures(s, self.simulated is not None)
-        tau_seconds = self.simulated.seconds if self.simulated else 0.0
-        return {
-            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-            **finals,
-            "simulated_tau_cost": tau_seconds / max(s.elapsed_s, 1e-9),
-            **throughput(s),
-            "projected_hours": projected_hours(
-                self.plan_tokens, s.real_tokens, s.elapsed_s, self.timed
-            ),
-            "padding_efficiency": s.real_tokens / max(s.padded_tokens, 1),
-            "data_wait_fraction": s.data_wait_s / max(s.elapsed_s, 1e-9),
-            "steps": s.global_step,
-            "planned_steps": self.total_steps,
-            "skipped_steps": s.skipped_steps,
-            "epochs": self.config.train.epochs,
-            "world_size": self.ctx.world_size,
-            "train_seconds": s.elapsed_s,
-            "flex_compiles": flex_compiles(),
-            "drafter_sources": self.drafter_sources,
-        } | ({"null_reasons": null_reasons} if null_reasons else {})
-
-
-NO_STEP = "no optimizer step ran (train.max_steps: 0)"
-NO_FINITE_STEP = "no step had a finite loss (every step was skipped)"
-NO_HELDOUT = "no held-out batch to measure it on (an engine run, or no held-out prompts)"
-NOT_FINITE = "it came out non-finite"
-
-
-def final_figures(s: TrainState, measured_tau: bool) -> tuple[dict[str, Any], dict[str, str]]:
-    """The last epoch's loss and the last row's accuracy and τ; a figure with nothing to give
-    it, or a non-finite one, is None (JSON null, never NaN), and the second dict says why."""
-    last_epoch = max((e for e, _, _ in s.epoch_loss), default=0)
-    last = [(loss, w) for e, loss, w in s.epoch_loss if e == last_epoch]
-    weight = sum(w for _, w in last)
-    last_row = next((row for row in reversed(s.rows) if "loss" in row), {})
-    no_row = NO_STEP if s.global_step == 0 else "no step was logged"
-    figures = {
-        "final_loss": (sum(loss * w for loss, w in last) / weight if weight else None,
-                       NO_STEP if s.global_step == 0 else NO_FINITE_STEP),
-        "final_accuracy": (last_row.get("accuracy"), no_row),
-        "final_simulated_tau": (last_row.get("simulated_tau"),
-                                no_row if not last_row or measured_tau else NO_HELDOUT),
-    }  # fmt: skip
-    values, reasons = {}, {}
-    for key, (value, why) in figures.items():
-        finite = value is not None and math.isfinite(value)
-        values[key] = value if finite else None
-        if not finite:
-            reasons[key] = why if value is None else NOT_FINITE
-    return values, reasons
-
-
-def mean_length(result: dict[str, Any]) -> float:
-    """The step's mean sample length in tokens, over all ranks."""
-    return result["real_tokens"] / max(result["n_samples"], 1)
-
-
-def throughput(s: TrainState) -> dict[str, float]:
-    """Tokens per second past warm-up; over every step when the run was all warm-up."""
-    if s.timed_s > 0:
-        seconds, real, padded = s.timed_s, s.timed_real_tokens, s.timed_padded_tokens
-    else:
-        seconds, real, padded = s.elapsed_s, s.real_tokens, s.padded_tokens
-    return {
-        "tokens_per_s": real / max(seconds, 1e-9),
-        "padded_tokens_per_s": padded / max(seconds, 1e-9),
-    }
-
-
-class _Window:
-    """Aggregates the steps between two log lines into one row."""
-
-    def __init__(self) -> None:
-        self.loss_w = self.weight = self.seconds = self.wait = 0.0
-        self.real = self.padded = self.samples = 0
-        self.correct = self.counted = None
-        self.grad_norm = self.lr = float("nan")
-        self.by_class: dict[str, list[float]] = {}
-        """``[Σ loss·weight, Σ weight]`` of the steps of each length class."""
-
-    def add(
-        self, result: dict[str, Any], seconds: float, wait: float, length_class: str | None
-    ) -> None:
-        if result["finite"]:
-            self.loss_w += result["loss"] * result["weight"]
-            self.weight += result["weight"]
-            if length_class is not None:
-                sums = self.by_class.setdefault(length_class, [0.0, 0.0])
-                sums[0] += result["loss"] * result["weight"]
-                sums[1] += result["weight"]
-        self.correct = (
-            result["correct"] if self.correct is None else self.correct + result["correct"]
-        )
-        self.counted = (
-            result["counted"] if self.counted is None else self.counted + result["counted"]
-        )
-        self.real += result["real_tokens"]
-        self.padded += result["padded_tokens"]
-        self.samples += result["n_samples"]
-        self.seconds += seconds
-        self.wait += wait
-        self.grad_norm, self.lr = result["grad_norm"], result["lr"]
-
-    def row(self, step: int, epoch: int) -> dict[str, Any]:
-        per_position = (self.correct[1:] / self.counted[1:].clamp(min=1)).tolist()
-        return {
-            "step": step,
-            "epoch": epoch,
-            "loss": self.loss_w / max(self.weight, 1e-12),
-            "accuracy": float(self.correct[1:].sum() / self.counted[1:].sum().clamp(min=1)),
-            "per_position_accuracy": per_position,
-            "lr": self.lr,
-            "grad_norm": self.grad_norm,
-            "tokens_per_s": self.real / max(self.seconds, 1e-9),
-            "padded_tokens_per_s": self.padded / max(self.seconds, 1e-9),
-            "padding_efficiency": self.real / max(self.padded, 1),
-            "mean_sample_length": self.real / max(self.samples, 1),
-            "data_wait_fraction": self.wait / max(self.seconds, 1e-9),
-            "loss_by_length": {k: lw / max(w, 1e-12) for k, (lw, w) in self.by_class.items()},
-        }

@@ -23,20 +23,16 @@ import numpy as np
 
 from dflash.commands.compare.revisions import Run
 from dflash.eval.strata import GROUPS, KINDS
+from dflash.metrics.names import COMPARE, shown
 
 SEED_KEYS = ("train.seed", "batching.seed")
 """The params whose runs are replicates: the drafter's initialisation, anchor draws and the
 order of batches. ``evaluate.seed`` changes the prompts, so it is no replicate."""
 RESAMPLES = 2000
 SEED = 0
-TRAIN_FIGURES = (
-    ("tokens/s", "tokens_per_s"),
-    ("padding eff.", "padding_efficiency"),
-    ("final loss", "final_loss"),
-    ("projected h", "projected_hours"),
-    ("loss~length", "loss_length_corr"),
-)
-"""(label, key of ``metrics/train_details.json``) of the run-level figures compared."""
+TRAIN_FIGURES = tuple((m.label, m.name) for m in shown(COMPARE))
+"""(label, key of ``metrics/train_details.json``) of the run-level figures compared
+(:data:`dflash.metrics.names.COMPARE`)."""
 
 
 def setting(run: Run) -> tuple:

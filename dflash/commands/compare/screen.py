@@ -7,15 +7,20 @@ from typing import Any
 
 from dflash.commands.compare.paired import Pairing, Row
 from dflash.commands.compare.revisions import Run
+from dflash.metrics.names import BY_NAME, COMPARE, shown
 
 WIDTH = 100
 LABEL = 26
-DURATIONS = (("projected h", 1.0), ("projected min", 60.0), ("projected s", 3600.0))
+HOURS = BY_NAME["projected_hours"]
+DURATIONS = ((HOURS.label, 1.0), ("projected min", 60.0), ("projected s", 3600.0))
 """(label, per hour): a projection is shown in the largest unit in which the first run's is 1 or
 more, so a pilot's minutes keep their digits without scientific notation."""
-FORMATS = {"tau": ".2f", "tokens/s": ",.0f", "padding eff.": ".3f", "final loss": ".3f",
-           "loss~length": ".2f"} | {label: ".2f" for label, _ in DURATIONS}  # fmt: skip
-RELATIVE = ("tokens/s", *(label for label, _ in DURATIONS))
+FORMATS = (
+    {"tau": ".2f"}
+    | {m.label: m.spec for m in shown(COMPARE)}
+    | {label: HOURS.spec for label, _ in DURATIONS}
+)
+RELATIVE = (BY_NAME["tokens_per_s"].label, *(label for label, _ in DURATIONS))
 """Figures whose difference is also shown as a share of the first group's."""
 HEADER = f"  {'figure':<{LABEL}}{'n':>4}  {'first':<18}{'this':<18}{'Δ':>12}  95% interval"
 

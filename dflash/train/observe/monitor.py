@@ -22,7 +22,7 @@ from typing import Any
 from dflash.config.schema import Config
 from dflash.fileio import write_text_atomic
 from dflash.metrics.dvclive import open_live
-from dflash.metrics.names import PLOT_COLUMNS, VAL_COLUMNS
+from dflash.metrics.names import PLOT_COLUMNS, STEP_COLUMNS, VAL_COLUMNS
 from dflash.train.observe.composition import spearman
 from dflash.train.observe.stability import is_spike, stability
 
@@ -42,7 +42,7 @@ class Monitor:
         self.log_csv = log_csv
         self.rows = rows
         self.history = {} if history is None else history
-        for key in ("loss", "grad_norm", "mean_length", "step"):
+        for key in STEP_COLUMNS:
             self.history.setdefault(key, [])
         self.live = open_live(live_dir)
         for row in rows:  # a resumed run: DVCLive starts over, with the curves so far
@@ -59,7 +59,7 @@ class Monitor:
                 settings=wandb.Settings(**wandb_quiet(os.environ)),
             )
 
-    def step(self, result: dict[str, Any], step: int, mean_length: float) -> None:
+    def step(self, result: dict[str, Any], step: int, mean_sample_length: float) -> None:
         """Record one optimizer step's loss, grad norm and mean sample length (finite steps
         only: ``finite`` covers the loss and the grad norm alike)."""
         if not result["finite"]:
@@ -67,7 +67,7 @@ class Monitor:
         losses = self.history["loss"]
         losses.append(result["loss"])
         self.history["grad_norm"].append(result["grad_norm"])
-        self.history["mean_length"].append(mean_length)
+        self.history["mean_sample_length"].append(mean_sample_length)
         self.history["step"].append(step)
         if is_spike(losses, len(losses) - 1):
             logger.warning(f"loss spike at step {len(losses)}: {losses[-1]:.3f}")
@@ -75,7 +75,7 @@ class Monitor:
     def stability(self) -> dict:
         """Spikes, grad-norm spread, and how the step loss follows the step's mean length."""
         h = self.history
-        return stability(h) | {"loss_length_corr": spearman(h["loss"], h["mean_length"])}
+        return stability(h) | {"loss_length_corr": spearman(h["loss"], h["mean_sample_length"])}
 
     def _log_live(self, row: dict[str, Any]) -> None:
         self.live.step = row["step"]
@@ -118,10 +118,6 @@ def wandb_quiet(environ: Mapping[str, str]) -> dict[str, bool]:
     """wandb settings that keep its end-of-run summary off the terminal, unless the
     environment already says how much wandb should print."""
     return {} if any(name in environ for name in WANDB_OUTPUT_ENV) else {"quiet": True}
-
-
-STEP_COLUMNS = ("step", "loss", "mean_length", "grad_norm")
-"""Every finite step's loss beside its mean sample length: the batch-composition plot."""
 
 
 def steps_to_csv(history: dict[str, list[float]]) -> str:
