@@ -282,14 +282,15 @@ def test_every_from_pretrained_stays_local():
 
 def test_help_says_what_every_command_does_and_names_publish(capsys):
     from dflash import cli
+    from dflash.commands.parsers import COMPARE_HELP, HELP
 
-    assert sorted(cli.HELP) == sorted(stages())
+    assert sorted(HELP) == sorted(stages())
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "python -m dflash.commands.publish DIR" in text and "report stage" not in text
-    assert all(" ".join(cli.HELP[name].split()) in text for name in cli.HELP)
-    assert " ".join(cli.COMPARE_HELP.split()) in text
+    assert all(" ".join(HELP[name].split()) in text for name in HELP)
+    assert " ".join(COMPARE_HELP.split()) in text
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     assert "export it with its model card" in " ".join(capsys.readouterr().out.split())

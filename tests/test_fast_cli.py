@@ -40,7 +40,7 @@ def test_importing_the_command_line_loads_no_torch(tmp_path, module):
 
 def test_publish_help_and_refusal_load_no_torch(tmp_path):
     code = (
-        "from dflash import publish\n"
+        "from dflash.commands import publish\n"
         "try:\n    publish.main(['--help'])\nexcept SystemExit:\n    pass\n"
         "assert publish.main(['.']) == 2"
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import run
 
-from dflash import cli
+from dflash.commands import exits
 from dflash.config.schema import Config, TrainConfig
 from dflash.errors import UserError
 from dflash.pipeline.lock import FAILURE_LOG
@@ -139,7 +139,7 @@ def test_a_rank_that_crashes_prints_one_line_and_logs_its_traceback(tmp_path, mo
     try:
         raise RuntimeError("NCCL error: unhandled system error\nmore detail")
     except RuntimeError as err:
-        cli._report_crash("train", err)
+        exits.report_crash("train", err)
     line = "dflash train: rank 1: RuntimeError: NCCL error: unhandled system error"
     assert capsys.readouterr().err == f"{line} (traceback: {log})\n"
     assert "Traceback (most recent call last)" in log.read_text()

@@ -268,9 +268,9 @@ TRACKER_WARNINGS = "ignore::UserWarning:multiprocessing.resource_tracker"
 def _quiet_resource_tracker() -> None:
     """Spawned workers' queues register their semaphores with Python's resource tracker, a
     process the rank starts with the rank's ``-W`` options. A rank stopped by a signal ends
-    without teardown (:func:`dflash.cli._exit_rank`), so the tracker removes the semaphores and
-    warns of each, in lines printed after the run's own last line. Those removals are
-    expected, so the tracker is told not to warn."""
+    without teardown (:func:`dflash.commands.exits.exit_rank`), so the tracker removes the
+    semaphores and warns of each, in lines printed after the run's own last line. Those
+    removals are expected, so the tracker is told not to warn."""
     if TRACKER_WARNINGS not in sys.warnoptions:
         sys.warnoptions.append(TRACKER_WARNINGS)
 
