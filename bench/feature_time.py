@@ -27,8 +27,8 @@ import torch
 import yaml
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
-from dflash.model import features
-from dflash.model.features import target_features
+from dflash.features import target_forward as features
+from dflash.features.target_forward import target_features
 from dflash.model.layer_ids import target_layer_ids
 
 ROOT = Path(__file__).resolve().parents[1]

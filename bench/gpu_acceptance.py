@@ -303,11 +303,12 @@ def step_shapes(smoke: bool, vocab: int) -> tuple[dict, list[list[list[tuple[int
 
 def step_checks(smoke: bool) -> list[Check]:
     """Twelve varied-shape training steps: host reads, memory and model FLOP/s on the device."""
-    import contextlib
 
     import torch
     from syncs import HostReads
 
+    from dflash.features.sources.colocated import ColocatedFeatures
+    from dflash.model.drafter import drafter_autocast
     from dflash.train.batches import build_micro_batch
     from dflash.train.distributed.process_group import Dist
     from dflash.train.step import forward_backward
@@ -319,9 +320,8 @@ def step_checks(smoke: bool) -> list[Check]:
     kw = dict(block_size=16, anchors_per_sequence=8 if smoke else 128, gamma=7.0, seed=0, epoch=0)
     batches = [build_micro_batch(store, rows, **kw, flex=flex) for rows in plans]
     ctx = Dist(rank=0, world_size=1, local_rank=0, device=device)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if flex
-                else contextlib.nullcontext())  # fmt: skip
-    layer_ids = drafter.config.target_layer_ids
+    autocast = drafter_autocast(device)
+    features = ColocatedFeatures(target, drafter.config.target_layer_ids)
     from dflash.model.drafter_attention import flex_compiles
 
     if flex:
@@ -330,7 +330,7 @@ def step_checks(smoke: bool) -> list[Check]:
     for mb in batches:
         mb = mb.to(device)
         with HostReads() as counted:
-            forward_backward(ctx, target, drafter, layer_ids, [mb], 7.0, autocast)
+            forward_backward(ctx, drafter, [mb], features, 7.0, autocast)
         reads = max(reads, len(counted.reads))
         flops += step_flops(target, drafter, mb)
     if flex:
@@ -370,9 +370,9 @@ def engine_checks(url: str, target_dir: str, n_features: int, states: str) -> li
     target's colocated ones (docs/engines.md): the relative error of bf16 engines' states."""
     import torch
 
-    from dflash.model.features import target_features
-    from dflash.model.hidden_states import EngineClient, engine_layer_ids, hidden_transfer
-    from dflash.model.layer_ids import target_layer_ids
+    from dflash.features.engine_client import EngineClient, hidden_transfer
+    from dflash.features.target_forward import target_features
+    from dflash.model.layer_ids import engine_layer_ids, target_layer_ids
     from dflash.model.load import load_target
 
     target = load_target(target_dir, device="cuda" if torch.cuda.is_available() else "cpu")

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from dflash.features.target_forward import target_features
 from dflash.model.anchors import sample_anchors
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.features import target_features
 from dflash.model.generate import dflash_generate, greedy_generate
 from dflash.model.objective import dflash_objective
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import Qwen3ForCausalLM
 
+from dflash.features.target_forward import target_features
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.features import target_features
 from dflash.model.load import load_target, load_target_shards
 from dflash.model.objective import dflash_objective
 from dflash.train.distributed import parallel

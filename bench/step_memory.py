@@ -29,9 +29,9 @@ import torch
 from memory_model import MIB, Batch, Dims, role_components, step_bytes
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from dflash.features.target_forward import target_features
 from dflash.model.anchors import sample_anchors
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
 
 GAMMA = 7.0

@@ -38,8 +38,8 @@ from dflash.batching.stats_files import BUCKETS
 from dflash.config.params import load_config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
+from dflash.features.target_forward import target_features
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.features import target_features
 from dflash.model.load import load_target
 from dflash.pipeline.workspace import RELATIVE
 from dflash.train.batches import MicroBatch, build_micro_batch

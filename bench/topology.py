@@ -25,8 +25,8 @@ from memory_model import Batch, drafter_flops_per_token, target_flops_per_token
 from dflash.batching.io import epoch_path, read_rank_plan
 from dflash.config.params import load_config
 from dflash.data.store import TokenStore
+from dflash.features.target_forward import target_features
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.features import target_features
 from dflash.model.load import load_target
 from dflash.pipeline.workspace import RELATIVE
 from dflash.train.batches import build_micro_batch

@@ -11,7 +11,7 @@ import resource
 import shlex
 import shutil
 import signal
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -23,15 +23,19 @@ from dflash.cli import main
 from dflash.config.params import apply_override, load_config, set_option
 from dflash.data.store import TokenStore
 from dflash.errors import OutputError, UserError
+from dflash.features.capture import target_geometry
+from dflash.features.feature_files import MANIFEST, SAMPLE
+from dflash.features.registry import build_features
+from dflash.features.source import Inputs
 from dflash.model.load import load_target
+from dflash.model.objective import objective_of
 from dflash.pipeline.declaration import restrict, stages
 from dflash.pipeline.workspace import Workspace
 from dflash.stages.capture import run as capture_stage
 from dflash.stages.train import train_files
-from dflash.train.capture import MANIFEST, SAMPLE, target_geometry
 from dflash.train.distributed.process_group import Dist
-from dflash.train.engine import document_features
 from dflash.train.preflight import preflight
+from dflash.train.topology import Placement
 
 pytest.importorskip("hs_connectors")
 
@@ -73,7 +77,9 @@ def fetch(ws: Path, sample_id: int) -> torch.Tensor:
     files = train_files(Workspace(ws), config)
     layer_ids = target_geometry(config.drafter, files.target, None)[0]
     target = load_target(files.target, device="cpu")
-    features = document_features(config, files, CPU, target, layer_ids)
+    last = objective_of(config).distills
+    run = Inputs(config, files, Placement(CPU), target, layer_ids, last, nullcontext(), None)
+    features = build_features(run)
     try:
         ids = [int(t) for t in TokenStore(files.tokenized)[sample_id][0]]
         return features.fetch(sample_id, ids, f"sample {sample_id}")
@@ -214,18 +220,18 @@ def test_manifest_only_capture_names_train_features(ws, capsys):
 
 
 def test_a_flipped_held_out_batch_is_refused(tmp_path):
-    from dflash.train.capture import HELDOUT, heldout_row, write_file
+    from dflash.features.feature_files import HELDOUT, read_heldout_row, write_file
 
     row = {"input_ids": torch.arange(12)[None], "features": torch.randn(1, 12, 64)}
     info = {"files": {HELDOUT: write_file(tmp_path, HELDOUT, row)}}
     (tmp_path / MANIFEST).write_text(json.dumps(info))
-    got = heldout_row(tmp_path, torch.device("cpu"))
+    got = read_heldout_row(tmp_path, torch.device("cpu"))
     torch.testing.assert_close(got["features"], row["features"], atol=0, rtol=0)
     data = bytearray((tmp_path / HELDOUT).read_bytes())
     data[-1] ^= 1
     (tmp_path / HELDOUT).write_bytes(data)
     with pytest.raises(UserError, match=rf"{HELDOUT} changed since"):
-        heldout_row(tmp_path, torch.device("cpu"))
+        read_heldout_row(tmp_path, torch.device("cpu"))
 
 
 def test_a_full_disk_while_capturing_is_one_line_and_leaves_the_old_capture(

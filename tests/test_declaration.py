@@ -234,7 +234,7 @@ FILE_NAME_HOMES = {
     "dflash/metrics/schema.py",  # the JSON Schema files it writes
     "dflash/train/checkpointing/checkpoint.py",
     "dflash/train/checkpointing/best.py",  # the best validation's weights beside the checkpoints
-    "dflash/train/capture.py",  # the feature files and their manifest
+    "dflash/features/feature_files.py",  # the feature files and their manifest
     "dflash/pipeline/provenance.py",  # a record per stage
 }
 """The workspace, and the modules that own a format's file names (its files, in any directory)."""

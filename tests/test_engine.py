@@ -21,19 +21,17 @@ from test_train import final_weights
 
 from dflash.config.schema import Config
 from dflash.errors import ConfigError
-from dflash.model import hidden_states
-from dflash.model.features import target_features
-from dflash.model.hidden_states import (
-    EngineClient,
-    EngineError,
-    engine_layer_ids,
-    hidden_transfer,
-)
+from dflash.features import engine_client
+from dflash.features.documents import DocumentFeatures
+from dflash.features.engine_client import EngineClient, EngineError, hidden_transfer
+from dflash.features.feature_files import MANIFEST, check_capture, read_heldout_row
+from dflash.features.sources.engine import served_fetch
+from dflash.features.sources.files import file_fetch
+from dflash.features.target_forward import target_features
+from dflash.model.layer_ids import engine_layer_ids
 from dflash.pipeline.workspace import Workspace
-from dflash.train.capture import MANIFEST, check_capture, heldout_row
+from dflash.train.batches import micro_batch_shape
 from dflash.train.distributed.process_group import Dist
-from dflash.train.engine import DocumentFeatures, file_fetch, served_fetch
-from dflash.train.topology import micro_batch_shape
 
 pytest.importorskip("hs_connectors")
 
@@ -68,7 +66,7 @@ def engine(target, tmp_path):
 @pytest.fixture(autouse=True)
 def no_backoff(monkeypatch):
     """Retries at once: the tests count attempts, not how long they wait between them."""
-    monkeypatch.setattr(hidden_states, "BACKOFF_S", 0.0)
+    monkeypatch.setattr(engine_client, "BACKOFF_S", 0.0)
 
 
 def client(
@@ -291,7 +289,7 @@ def test_capture_from_an_engine_that_is_down_ends_in_one_line_naming_it(
 
 
 def test_a_missing_or_stale_capture_file_ends_the_run_naming_the_sample(target, tmp_path):
-    from dflash.train.capture import write_sample
+    from dflash.features.feature_files import write_sample
 
     docs = documents(2)
     states = torch.randn(len(docs[0]), 2, 32)
@@ -326,7 +324,7 @@ def test_kl_from_files_needs_the_last_hidden_state_and_ce_reads_past_it(tmp_path
         check_capture(tmp_path, LAYERS, 32, last=True)
     (tmp_path / MANIFEST).write_text(json.dumps(info | {"last_hidden_state": True}))
     assert check_capture(tmp_path, LAYERS, 32, last=True) == 3
-    from dflash.train.capture import write_sample
+    from dflash.features.feature_files import write_sample
 
     doc = documents(1)[0]
     states = torch.randn(len(doc), 3, 32)
@@ -388,7 +386,7 @@ def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_dr
 ):
     from dflash.data.tokenizer import load_tokenizer
     from dflash.model.load import load_target
-    from dflash.train.simulated import capture as heldout_batch
+    from dflash.train.simulated import heldout_row as heldout_batch
 
     base = tmp_path / "colocated"
     shutil.copytree(tiny_workspace_template, base)
@@ -424,7 +422,7 @@ def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_dr
         params["data"]["max_seq_len"], contextlib.nullcontext(),
         params["data"].get("chat_template_kwargs", {}),
     )  # fmt: skip
-    stored = heldout_row(files / WS.features, torch.device("cpu"))
+    stored = read_heldout_row(files / WS.features, torch.device("cpu"))
     assert stored.keys() == made.keys()
     for key, value in made.items():
         torch.testing.assert_close(stored[key], value, atol=0, rtol=0)

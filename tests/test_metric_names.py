@@ -10,6 +10,7 @@ import torch
 
 from dflash.commands import report
 from dflash.commands.compare import paired
+from dflash.features.sources.colocated import ColocatedFeatures
 from dflash.metrics import names
 from dflash.metrics.names import (
     COMPARE,
@@ -32,7 +33,6 @@ from dflash.train.checkpointing.state import TrainState
 from dflash.train.observe.monitor import Monitor
 from dflash.train.observe.summary import run_summary
 from dflash.train.observe.window import Window
-from dflash.train.topology import ColocatedFeatures
 
 
 def test_every_list_of_training_metrics_is_the_tables():

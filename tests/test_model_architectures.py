@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dflash.model import target_attention
-from dflash.model.features import decoder_layers, target_features
+from dflash.features.target_forward import decoder_layers, target_features
 from dflash.model.mixing import by_document_rows, mixers, pointwise, unconfined
-from dflash.model.remote import select_features
+from dflash.model.shipped import select_features
 from dflash.train.distributed.parallel import shard_target
 
 LENGTHS = [9, 14, 7]

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from conftest import BLOCK_SIZE, dense_blocks, drafter_grads
 
+from dflash.features.target_forward import target_features
 from dflash.model import drafter as drafter_module
 from dflash.model import drafter_attention as attention
 from dflash.model import objective
 from dflash.model.anchors import sample_anchors
-from dflash.model.features import target_features
 from dflash.model.layer_ids import target_layer_ids
 from dflash.model.objective import block_labels, decay_weights, dflash_objective
 

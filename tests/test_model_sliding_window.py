@@ -12,8 +12,8 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.model import target_attention
-from dflash.model.features import target_features
-from dflash.model.remote import select_features
+from dflash.features.target_forward import target_features
+from dflash.model.shipped import select_features
 
 LAYERS = [1, 2, 3]
 T = 32

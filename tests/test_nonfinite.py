@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import run_stages
 
-from dflash.train import loop
-from dflash.train.loop import Trainer, TrainingError
+from dflash.train import build, step
+from dflash.train.step import TrainingError
 
 NAN_STEPS = {1, 3, 4}
 """The steps (from 1) whose features are NaN: one alone, then two in a row."""
@@ -24,16 +24,16 @@ def poisoned_features(source):
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
 def test_nonfinite_steps_are_skipped_and_enough_in_a_row_stop_the_run(tiny_workspace, monkeypatch):
     weights: list[dict[str, torch.Tensor]] = []  # the drafter's, as each step begins
-    real = loop.forward_backward
+    real = step.forward_backward
 
-    def poisoned(ctx, target, model, layer_ids, micro_batches, gamma, autocast, features, *rest):
+    def poisoned(ctx, model, micro_batches, features, *rest):
         weights.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         if len(weights) in NAN_STEPS:
             features = poisoned_features(features)
-        return real(ctx, target, model, layer_ids, micro_batches, gamma, autocast, features, *rest)
+        return real(ctx, model, micro_batches, features, *rest)
 
-    monkeypatch.setattr(loop, "forward_backward", poisoned)
-    monkeypatch.setattr(Trainer, "_simulated", lambda self, tokenizer: None)  # no held-out τ
+    monkeypatch.setattr(step, "forward_backward", poisoned)
+    monkeypatch.setattr(build, "build_simulated", lambda *args: None)  # no held-out τ
     sets = ["train.world_size=1", f"train.max_nonfinite_steps={LIMIT}", "train.warmup_ratio=0"]
     with pytest.raises(TrainingError) as stopped:
         run_stages(tiny_workspace, ["plan", "train"], [*sets, "train.checkpoint_every=100"])

@@ -19,11 +19,11 @@ from test_train import assert_kill_and_resume_is_bitwise
 from transformers import AutoModel
 
 from dflash.config.schema import ObjectiveConfig
+from dflash.features.target_forward import target_features
 from dflash.model import objective
 from dflash.model.distill import Objective, WeightedHeadLoss, dpace_weights, head_terms
 from dflash.model.drafter import PAPER_RULE, layer_rules, rule_masks
 from dflash.model.export import config_json, export_drafter, read_config
-from dflash.model.features import target_features
 from dflash.model.objective import block_labels, decay_weights, dflash_objective
 
 V, H = 50, 16

@@ -10,6 +10,7 @@ import torch
 from conftest import tiny_qwen3
 from syncs import HostReads
 
+from dflash.features.sources.colocated import ColocatedFeatures
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import build_attention_mask
 from dflash.train.batches import build_micro_batch
@@ -44,11 +45,9 @@ def step_reads(target_layers: int, drafter_layers: int, plans: list) -> HostRead
     kw = dict(block_size=4, anchors_per_sequence=3, gamma=7.0, seed=0, epoch=0)
     micro_batches = [build_micro_batch(store(), rows, **kw) for rows in plans]
     ctx = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    layer_ids = drafter.config.target_layer_ids
+    features = ColocatedFeatures(target, drafter.config.target_layer_ids)
     with HostReads() as reads:
-        forward_backward(
-            ctx, target, drafter, layer_ids, micro_batches, 7.0, contextlib.nullcontext()
-        )
+        forward_backward(ctx, drafter, micro_batches, features, 7.0, contextlib.nullcontext())
     return reads
 
 

@@ -23,15 +23,16 @@ from test_train import final_weights
 from dflash.batching.io import read_rank_plan
 from dflash.config.schema import TrainConfig
 from dflash.data.store import TokenStore
-from dflash.model.features import target_features
+from dflash.features.prefetch import epoch_micro_batches
+from dflash.features.sources.decoupled import place
+from dflash.features.target_forward import target_features
+from dflash.features.target_ranks import padding_forward, schedule
 from dflash.model.load import load_target
 from dflash.pipeline.workspace import Workspace
-from dflash.train.batches import build_micro_batch
+from dflash.train.batches import build_micro_batch, micro_batch_shape
 from dflash.train.borrowed import load_borrowed
 from dflash.train.distributed.parallel import load_sharded_target
 from dflash.train.distributed.ranks import RankLayout, processes
-from dflash.train.feature_server import padding_forward
-from dflash.train.topology import epoch_micro_batches, micro_batch_shape, place, schedule
 
 WS = Workspace()
 """The workspace's paths relative to its root, as the stages run in it."""
@@ -220,7 +221,7 @@ def shard_on_three_ranks(rank: int, world_size: int, port: int, results, directo
     train = TrainConfig(world_size=1, topology="decoupled", target_ranks=2, parallelism="fsdp")
     placement = place(train, world)
     result = {"rank": rank, "group": placement.ctx.world_size}
-    if placement.serves_target:
+    if placement.serve is not None:
         target = load_sharded_target(directory, placement.ctx)
         result["held"] = sum(p.to_local().numel() for p in target.parameters())
         ids = torch.arange(24).view(2, 12) * 7 % 300

@@ -17,6 +17,7 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from dflash.batching.registry import strategies
+from dflash.config import plugins
 from dflash.config.schema import Config
 from dflash.config.types import INT_MAX, Choices
 from dflash.pipeline.declaration import pipeline
@@ -70,7 +71,13 @@ def strategy_lines() -> list[str]:
     return [f"- `{name}`: {s.doc}" for name, s in strategies().items()]
 
 
-EXPLAINED = {"batching": ("The strategies of `batching.strategy`:", strategy_lines)}
+EXPLAINED = {
+    "batching": ("The strategies of `batching.strategy`:", strategy_lines),
+    "train": (
+        "The feature sources of `train.topology` and `train.features`:",
+        lambda: [f"- {doc}" for doc in plugins.docs("dflash.features.sources", "SOURCE").values()],
+    ),
+}
 """Lines under a section's table, with their heading, from the code the choices name."""
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from dflash.batching.choices import BOUNDARY_METHODS, strategy_names
 from dflash.config.types import Float, Int, Section, TemplateOptions, int_at_most, one_of, require
+from dflash.features.choices import feature_choices, topologies
 
 
 class DataConfig(Section):
@@ -312,13 +313,12 @@ class TrainConfig(Section):
     (``dflash.train.distributed.parallel``), for targets larger than one device. Decoupled, fsdp
     shards
     the target over the target ranks and the drafter over the drafter ranks."""
-    topology: Literal["colocated", "decoupled", "engine"] = "colocated"
-    """colocated: every rank runs the target and trains the drafter; decoupled: ``target_ranks``
-    more ranks run only the target and send its features to the ``world_size`` drafter ranks
-    (``dflash.train.topology``); engine: serving engines (vLLM's ``extract_hidden_states``,
-    the ``engine`` section) compute them (``dflash.train.engine``). The same plan, the same
-    losses up to float order."""
-    features: Literal["target", "files"] = "target"
+    topology: one_of(topologies) = "colocated"
+    """Where the target runs (listed below: a module of ``dflash.features.sources``):
+    colocated, on every rank; decoupled, on ``target_ranks`` more ranks that send its features
+    to the ``world_size`` drafter ranks; engine, on serving engines (the ``engine`` section).
+    The same plan, the same losses up to float order."""
+    features: one_of(feature_choices) = "target"
     """target: a target forward per micro-batch (where ``topology`` says); files: read the
     features the ``capture`` stage wrote once to ``data/features/``, so an experiment that
     changes only batching or training runs no target forward."""

@@ -147,7 +147,7 @@ class TokenStore:
                 )
         self._maps: tuple[np.ndarray, np.ndarray] | None = None
         """Token ids and loss mask, mapped together in one assignment: threads reading
-        documents at once (``dflash.train.engine``) never see one map without the other."""
+        documents at once (``dflash.features.documents``) never see one map without the other."""
 
     def __len__(self) -> int:
         return len(self.lengths)

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from dflash.eval.strata import TERCILES, tercile_groups
+from dflash.features.target_forward import target_features
 from dflash.model.drafter import DFlashDrafter, drafter_autocast
-from dflash.model.features import target_features
 from dflash.model.objective import dflash_objective
 
 

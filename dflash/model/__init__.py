@@ -1,6 +1,6 @@
-"""The model side of DFlash: target features, the drafter, its objective and decoding.
+"""The model side of DFlash: the target's layers, the drafter, its objective and decoding.
 
-- ``features``: which target layers feed the drafter, and reading them from packed rows.
+- ``layer_ids``: which target layers feed the drafter (read by :mod:`dflash.features`).
 - ``anchors``: random block starts of one document, re-drawn every epoch.
 - ``drafter_attention``: the block training rule, as a two-part kernel (CPU) or FlexAttention
   (CUDA).

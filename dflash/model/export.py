@@ -25,6 +25,7 @@ from dflash.fileio import atomic_dir
 from dflash.model import remote
 from dflash.model.card import model_card
 from dflash.model.hf_files import MODEL_CARD, REMOTE_CODE
+from dflash.model.layer_ids import engine_layer_ids
 from dflash.model.remote import DFlashDraftConfig
 from dflash.model.target_dir import resolve_target_path
 
@@ -120,7 +121,7 @@ def serving_keys(config: Any, target_config: Any = None, dtype: torch.dtype | No
         **rope_keys(target_config, config.theta),
         "torch_dtype": _dtype_name(dtype),
         "dtype": _dtype_name(dtype),
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in config.target_layer_ids],
+        "eagle_aux_hidden_state_layer_ids": engine_layer_ids(config.target_layer_ids),
         "auto_map": auto_map(),
         "layer_types": list(getattr(config, "layer_types", None) or ["full_attention"] * n),
         "use_sliding_window": getattr(config, "sliding_window", None) is not None,

@@ -31,6 +31,7 @@ from transformers import AutoConfig
 from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.model import hf_files, remote
+from dflash.model.layer_ids import drafter_layer_ids
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
 from dflash.model.remote import DFlashDraftConfig
 
@@ -227,7 +228,7 @@ def _speculators(path: Path, data: dict) -> Checkpoint:
     if block is None:
         block = SPECULATORS_DEFAULT_BLOCK
     block = _whole(where, "block_size", block, MIN_BLOCK, BLOCK_WHY)
-    ids = [a - 1 for a in aux]  # counted from the embedding, as vLLM counts
+    ids = drafter_layer_ids(aux)  # counted from the embedding, as vLLM counts
     return Checkpoint(path, "speculators", layers, block, ids, mask, None, None)
 
 

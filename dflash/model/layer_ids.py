@@ -1,4 +1,5 @@
-"""Which target layers the drafter reads, and the params check that they exist.
+"""Which target layers the drafter reads, how wide their features are, how engines number
+them, and the params check that they exist.
 
 Kept apart from the feature code (and its attention kernels) so that the target stage can
 check ``drafter.num_target_features`` against the target's depth without depending on them.
@@ -7,6 +8,26 @@ check ``drafter.num_target_features`` against the target's depth without dependi
 from __future__ import annotations
 
 from dflash.errors import ConfigError
+
+EMBEDDING_OFFSET = 1
+"""Engines and Hugging Face count the embedding as state 0: the output of decoder layer ``i``
+(the drafter's id) is their ``i + 1``. The exported drafter's code (:mod:`dflash.model.shipped`)
+ships without this project and drops state 0 itself."""
+
+
+def engine_layer_ids(layer_ids: list[int]) -> list[int]:
+    """The ``eagle_aux_hidden_state_layer_ids`` a server needs for the drafter's ``layer_ids``.
+
+    vLLM records aux state ``j`` before decoder layer ``j`` runs (its input, the residual
+    stream: the output of layer ``j - 1``, Hugging Face's ``hidden_states[j]``), so the output
+    of layer ``i`` that the drafter reads is engine id ``i + 1``.
+    """
+    return [i + EMBEDDING_OFFSET for i in layer_ids]
+
+
+def drafter_layer_ids(engine_ids: list[int]) -> list[int]:
+    """The drafter's layer ids of a checkpoint's engine-counted ``aux_hidden_state_layer_ids``."""
+    return [i - EMBEDDING_OFFSET for i in engine_ids]
 
 
 def target_layer_ids(num_layers: int, n: int) -> list[int]:
@@ -28,6 +49,17 @@ def target_layer_ids(num_layers: int, n: int) -> list[int]:
             f"use at most {num_layers - 3}"
         )
     return ids
+
+
+def states_per_token(layer_ids: list[int], last: bool = False) -> int:
+    """Hidden states in a token's features: one per tapped layer, then the target's last hidden
+    state where ``last`` (:func:`dflash.features.target_forward.target_features`)."""
+    return len(layer_ids) + last
+
+
+def feature_width(layer_ids: list[int], hidden: int, last: bool = False) -> int:
+    """Features per token: :func:`states_per_token` states of ``hidden`` each."""
+    return states_per_token(layer_ids, last) * hidden
 
 
 def check_layer_selection(num_layers: int, n: int) -> None:

@@ -1,14 +1,14 @@
 """The capture stage: the target's features of every training sample, written once
-(:mod:`dflash.train.capture`), and the held-out τ batch; only a manifest unless
+(:mod:`dflash.features.capture`), and the held-out τ batch; only a manifest unless
 ``train.features`` is files. The manifest records the stage's params, so a training run that
 refuses the files names the ones it holds otherwise."""
 
 from __future__ import annotations
 
 from dflash.config.schema import Config
+from dflash.features.capture import capture
 from dflash.pipeline.declaration import declared_params, restrict, stages, unrestricted
 from dflash.pipeline.workspace import Workspace
-from dflash.train.capture import capture
 
 
 def run(config: Config, workspace: Workspace) -> None:

@@ -1,13 +1,13 @@
 """The train stage (``dflash train``, ``python stages/train.py``): check, lock, launch.
 
-The launching process takes the workspace's lock (:mod:`dflash.pipeline.lock`), checks the plans and
-the world size once, and only then starts ``torchrun`` (through
-:mod:`dflash.train.distributed.agent`,
-which ends a failed job in one line) with the resolved params handed over in a temporary file,
-so ``--set`` overrides reach every rank. The job has
+The launching process takes the workspace's lock (:mod:`dflash.pipeline.lock`), checks the
+plans and the world size once, and only then starts ``torchrun`` (through
+:mod:`dflash.train.distributed.agent`, which ends a failed job in one line) with the resolved
+params handed over in a temporary file, so ``--set`` overrides reach every rank. The job has
 ``train.world_size`` ranks, plus ``train.target_ranks`` when ``train.topology`` is decoupled
-(``dflash.train.topology``). ``torchrun`` inherits the lock and dies with the launcher; each
-rank dies with ``torchrun``. Run under ``torchrun`` directly, rank 0 takes the lock itself.
+(``dflash.features.sources.decoupled``). ``torchrun`` inherits the lock and dies with the
+launcher; each rank dies with ``torchrun``. Run under ``torchrun`` directly, rank 0 takes the
+lock itself.
 
 ``torchrun`` runs in a session of its own, so Ctrl-C reaches the launcher alone: it stops the
 job as SIGTERM does, quietly, and exits 130 with one line. A rank that fails

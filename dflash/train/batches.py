@@ -13,15 +13,17 @@ import multiprocessing
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 import torch
 
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import Row
+from dflash.config.schema import Config
 from dflash.data.store import TokenStore
+from dflash.features.target_forward import packing
 from dflash.model.anchors import sample_anchors
-from dflash.model.features import packing
 from dflash.model.objective import LabelPlan, label_plan
 from dflash.model.target_attention import DocumentLayout
 from dflash.train.distributed.orphans import die_with_parent
@@ -65,6 +67,29 @@ def _mapped(value, fn):
     return value
 
 
+def micro_batch_options(
+    config: Config, windows: tuple[int, ...], flex: bool = False
+) -> dict[str, Any]:
+    """The keywords of :func:`build_micro_batch` that the params set, beside the target's
+    sliding ``windows`` and the drafter's mask (``flex``): the drafter ranks' loader and a
+    decoupled run's target ranks build the same micro-batches from them."""
+    d = config.drafter
+    return dict(
+        block_size=d.block_size,
+        anchors_per_sequence=d.anchors_per_sequence,
+        gamma=d.gamma,
+        seed=config.train.seed,
+        flex=flex,
+        windows=windows,
+        position_weight=config.objective.position_weight,
+    )
+
+
+def micro_batch_shape(rows: list[Row]) -> tuple[int, int]:
+    """``(rows, width)`` of the micro-batch :func:`build_micro_batch` builds from ``rows``."""
+    return len(rows), max(sum(length for _, _, length in row) for row in rows)
+
+
 def build_micro_batch(
     store: TokenStore,
     rows: list[Row],
@@ -82,8 +107,7 @@ def build_micro_batch(
     device: the objective's ``label_plan`` (with the two-part kernel's mask chunks unless the
     drafter attends through FlexAttention, ``flex``) and the feature pass's ``packing`` for
     a target with sliding ``windows``."""
-    width = max(sum(length for _, _, length in row) for row in rows)
-    n_rows = len(rows)
+    n_rows, width = micro_batch_shape(rows)
     input_ids = np.zeros((n_rows, width), dtype=np.int64)
     loss_mask = np.zeros((n_rows, width), dtype=bool)
     document_ids = np.full((n_rows, width), -1, dtype=np.int64)

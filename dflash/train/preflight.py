@@ -51,8 +51,9 @@ def check_features(config: Config, files: TrainFiles, samples: int) -> None:
     hidden state where the objective distills), all there, of the token store's ``samples``
     and of this target; from engines, a reader for ``engine.backend`` (hs-connectors, and
     Mooncake's package for mooncake)."""
-    from dflash.model.hidden_states import hidden_transfer
-    from dflash.train.capture import check_capture, check_files, distills, target_geometry
+    from dflash.features.capture import target_geometry
+    from dflash.features.engine_client import hidden_transfer
+    from dflash.features.feature_files import check_capture, check_files, distills
 
     if config.train.features == "files":
         geometry = target_geometry(config.drafter, files.target, files.init)

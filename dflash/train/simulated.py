@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import stop_token_ids
+from dflash.features.target_forward import target_features
 from dflash.model.distill import Objective, dpace_weights
 from dflash.model.drafter_attention import build_attention_mask
-from dflash.model.features import target_features
 from dflash.model.generate import greedy_generate
 from dflash.model.objective import LOGITS_PER_CHUNK, block_labels, decay_weights
 
@@ -78,7 +78,7 @@ def pack(prompts: list[list[int]], answers: list[list[int]], device) -> dict[str
     return {k: torch.tensor([v], device=device) for k, v in row.items()}
 
 
-def capture(
+def heldout_row(
     heldout: Path,
     target: nn.Module,
     tokenizer,
@@ -145,12 +145,12 @@ class SimulatedTau:
         """The batch from the ``heldout`` conversations; None when they hold no prompt to
         continue."""
         layer_ids = drafter.config.target_layer_ids
-        row = capture(heldout, target, tokenizer, layer_ids, max_seq_len, autocast, options)
+        row = heldout_row(heldout, target, tokenizer, layer_ids, max_seq_len, autocast, options)
         return cls.from_row(row, drafter, autocast)
 
     @classmethod
     def from_row(cls, row: dict[str, Tensor] | None, drafter, autocast):
-        """The batch from a :func:`capture` row, made on this rank or sent by a target rank."""
+        """The batch from a :func:`heldout_row`, made on this rank or sent by a target rank."""
         if row is None:
             return None
         ids, docs, pos = row["input_ids"], row["document_ids"], row["position_ids"]

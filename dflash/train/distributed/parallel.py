@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from dflash.model.features import decoder_layers
+from dflash.features.target_forward import decoder_layers
 from dflash.model.load import load_target_shards, target_device_dtype
 from dflash.train.distributed.process_group import Dist
 

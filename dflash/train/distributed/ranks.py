@@ -1,7 +1,8 @@
 """Which rank does what in a training job: a pure function of ``train.*``.
 
 The launching process sizes the job and checks the machine with it before torch and the
-models are imported; :mod:`dflash.train.topology` splits the started job by the same layout.
+models are imported; the decoupled feature source (:mod:`dflash.features.sources.decoupled`)
+splits the started job by the same layout.
 """
 
 from __future__ import annotations

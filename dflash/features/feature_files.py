@@ -1,21 +1,9 @@
-"""The ``capture`` stage: every training sample's target features, written once.
+"""The ``capture`` stage's files: every training sample's target features, written once.
 
-With ``train.features: files`` each sample of the token store gets one file in the format
-hs-connectors reads (``hs_<sample id>.safetensors``: ``hidden_states`` ``[T, n, H]`` and
-``token_ids``), the format vLLM's connector writes, so training checks them as it checks
-engine features and runs no target forward: an experiment that changes only batching or
-training reuses them. The producer is the target in this process, document by
-document, or with ``train.topology: engine`` the serving engines (their files, checked, are
-copied in). Features are large (about 40 KB a token at Qwen3-8B with 5 layers), so the stage
-logs bytes per token and the projected total before it writes anything. With
-``train.features: target`` it writes only the manifest: the pipeline stays cheap.
-
-Two more things a files run would otherwise need a target for come with the files from the
-target in process. The held-out batch simulated τ is measured on (:mod:`dflash.train.
-simulated`: the target's own answers and its features), so a files run logs the τ a colocated
-run logs. And, when ``objective.loss`` distills, the target's last hidden state after the
-drafter's layers in every sample's file (``last_hidden_state`` in the manifest), which the KL
-to the target reads.
+Each sample of the token store has one file in the format hs-connectors reads
+(``hs_<sample id>.safetensors``: ``hidden_states`` ``[T, n, H]`` and ``token_ids``), the format
+vLLM's connector writes, so training checks them as it checks engine features. Beside them,
+the held-out batch simulated τ is measured on (from a target in process) and the manifest.
 
 Training trusts no file it cannot check. The manifest records each file's size and SHA-256,
 the target's digest and the params the stage ran with. A run checks the sizes and the target
@@ -26,10 +14,8 @@ for other params names them as the ``--set`` that captures what this run reads.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +24,18 @@ from safetensors.torch import load, save
 
 from dflash.config.params import set_option
 from dflash.config.schema import Config
-from dflash.data.store import TokenStore
 from dflash.errors import ConfigError, UserError
-from dflash.fileio import atomic_dir, not_a_file
-from dflash.model.distill import Objective
-from dflash.model.hidden_states import EngineClient, EngineError, engine_layer_ids, hidden_transfer
-from dflash.model.load import target_device_dtype, target_digest
-
-logger = logging.getLogger(__name__)
+from dflash.features.engine_client import EngineError
+from dflash.fileio import not_a_file
+from dflash.model.layer_ids import states_per_token
+from dflash.model.load import target_digest
+from dflash.model.objective import Objective
 
 MANIFEST = "features.json"
 SAMPLE = "hs_{}.safetensors"
 """hs-connectors' cached-sample name (``FileTransfer.get_cached``)."""
 HELDOUT = "heldout_tau.safetensors"
-"""The held-out batch of simulated τ: :func:`dflash.train.simulated.capture`'s packed row."""
+"""The held-out batch of simulated τ: :func:`dflash.train.simulated.heldout_row`'s packed row."""
 DIGEST = "sha256"
 """The digest a file's record in the manifest holds, beside its size in ``bytes``."""
 RECAPTURE = "rerun `dflash capture`"
@@ -61,19 +45,6 @@ class CaptureError(EngineError, UserError):
     """The capture stage's files are missing, cut short, malformed or changed since it wrote
     them, or of another target: the user remakes them (exit 2). An ``EngineError`` too: as
     with an engine's, a document whose states cannot be had ends the run."""
-
-
-def bytes_per_token(layers: int, hidden: int, dtype: torch.dtype) -> int:
-    """Bytes a token takes in a file: its states, and its id (int64)."""
-    return layers * hidden * dtype.itemsize + 8
-
-
-def size_line(per_token: int, tokens: int, samples: int) -> str:
-    total = per_token * tokens
-    return (
-        f"{per_token:,} bytes per token x {tokens:,} tokens of {samples:,} samples = "
-        f"{total / 1e9:,.3f} GB ({total / 1e12:,.4f} TB)"
-    )
 
 
 def manifest(path: Path) -> dict:
@@ -132,7 +103,7 @@ def check_capture(
             "without it (with objective.loss ce); "
             + recapture(info, config, f"{RECAPTURE} with this objective.loss")
         )
-    return len(layer_ids) + stored
+    return states_per_token(layer_ids, stored)
 
 
 def recapture(info: dict, config: Config | None, default: str = RECAPTURE) -> str:
@@ -171,7 +142,8 @@ def _plain(value: Any) -> str:
 
 
 def distills(config: Config) -> bool:
-    """Whether the files must hold the target's last hidden state: the objective reads it."""
+    """Whether the files hold the target's last hidden state: the loss reads it (``objective.
+    loss`` alone decides, the one objective param the capture stage declares)."""
     return Objective(config.objective.loss).distills
 
 
@@ -239,7 +211,8 @@ def _same_size(path: Path, size: int, record: dict) -> None:
 
 class CapturedFiles:
     """The samples' files, each checked against the manifest as it is read: hs-connectors'
-    ``FileTransfer.get_cached``, the seam :func:`dflash.train.engine.file_fetch` reads by."""
+    ``FileTransfer.get_cached``, the seam :func:`dflash.features.sources.files.file_fetch`
+    reads by."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -272,151 +245,10 @@ def check_files(path: Path, samples: int, target: Path) -> None:
         )
 
 
-def heldout_row(directory: Path, device: torch.device) -> dict[str, torch.Tensor] | None:
+def read_heldout_row(directory: Path, device: torch.device) -> dict[str, torch.Tensor] | None:
     """The held-out τ batch the stage wrote, checked, on ``device``; None where it wrote none
     (no held-out prompt, or features from the engines, which write no answers)."""
     files = recorded_files(directory, manifest(directory))
     if HELDOUT not in files:
         return None
     return {k: v.to(device) for k, v in read_file(directory, HELDOUT, files).items()}
-
-
-def capture(
-    config: Config,
-    tokenized: Path,
-    target_dir: Path,
-    out: Path,
-    init: Path | None,
-    heldout: Path | None = None,
-    tokenizer: Path | None = None,
-    params: dict[str, Any] | None = None,
-    states: Path | None = None,
-) -> dict:
-    """Write ``out`` whole: the manifest, and with ``train.features: files`` every sample (and
-    from the target in process, the held-out τ batch from ``heldout`` with ``tokenizer``).
-    The manifest records ``params`` (the stage's, dotted), the target's digest and each
-    file's size and digest, which training checks. From engines, their files are read in
-    ``states``."""
-    store = TokenStore(tokenized)
-    files = config.train.features == "files"
-    layer_ids, hidden = target_geometry(config.drafter, target_dir, init)
-    dtype = target_device_dtype()[1]
-    last = distills(config)
-    stored = len(layer_ids) + last
-    per_token = bytes_per_token(stored, hidden, dtype)
-    tokens = int(store.lengths.sum())
-    line = size_line(per_token, tokens, len(store))
-    logger.info(f"features: {line}" + ("" if files else "; train.features target: not written"))
-    info = {
-        "features": config.train.features,
-        "producer": "engine" if config.train.topology == "engine" else "target",
-        "layer_ids": layer_ids,
-        "engine_layer_ids": engine_layer_ids(layer_ids),
-        "hidden_size": hidden,
-        "dtype": str(dtype).removeprefix("torch."),
-        "samples": len(store) if files else 0,
-        "tokens": tokens,
-        "bytes_per_token": per_token,
-        "projected_bytes": per_token * tokens,
-        "target_digest": target_digest(target_dir),
-        "params": params or {},
-    }
-    with atomic_dir(out) as tmp:
-        if files:
-            produce, row = _producer(
-                config, target_dir, layer_ids, hidden, last, heldout, tokenizer, states
-            )
-            written = {} if row is None else {HELDOUT: write_file(tmp, HELDOUT, _cpu(row))}
-            for sample_id in range(len(store)):
-                ids = [int(t) for t in store[sample_id][0]]
-                states = produce(ids, f"sample {sample_id}")
-                shaped = states.reshape(len(ids), stored, hidden)
-                written[SAMPLE.format(sample_id)] = write_sample(tmp, sample_id, shaped, ids)
-            info |= {"last_hidden_state": last, "simulated_tau": row is not None}
-            info["files"] = written
-        (tmp / MANIFEST).write_text(json.dumps(info, indent=2) + "\n")
-    return info
-
-
-def _cpu(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {key: value.cpu() for key, value in row.items()}
-
-
-def _producer(config, target_dir, layer_ids, hidden, last, heldout, tokenizer, states):
-    """What makes each sample's states, and the held-out τ batch (None from the engines)."""
-    if config.train.topology == "engine":
-        return _engine(config, layer_ids, hidden, target_device_dtype()[1], states), None
-    target = _load(target_dir)
-    row = _heldout_row(config, target, layer_ids, heldout, tokenizer)
-    return _target(target, layer_ids, last), row
-
-
-def _load(target_dir: Path):
-    from dflash.model.load import load_target
-
-    return load_target(target_dir, device=target_device_dtype()[0])
-
-
-def _autocast(device: torch.device):
-    """The training step's autocast: bf16 on CUDA, none on CPU."""
-    cuda = device.type == "cuda"
-    return torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext()
-
-
-def _target(target, layer_ids: list[int], last: bool):
-    """One forward of the target in this process per document: what colocated training runs."""
-    from dflash.model.features import target_features
-
-    device = target.get_input_embeddings().weight.device
-    autocast = _autocast(device)
-
-    def produce(ids: list[int], what: str) -> torch.Tensor:
-        row = torch.tensor([ids], device=device)
-        positions = torch.arange(len(ids), device=device)[None]
-        with torch.inference_mode(), autocast:
-            features = target_features(
-                target, row, positions, torch.zeros_like(row), layer_ids, last=last
-            )
-        return features[0].to(target.get_input_embeddings().weight.dtype).cpu()
-
-    return produce
-
-
-def _heldout_row(
-    config: Config, target, layer_ids: list[int], heldout: Path | None, tokenizer: Path | None
-) -> dict[str, torch.Tensor] | None:
-    """The held-out τ batch, made as a colocated run makes it (None without held-out prompts)."""
-    from dflash.data.tokenizer import load_tokenizer
-    from dflash.train.simulated import capture as simulated_batch
-
-    if heldout is None or tokenizer is None or not heldout.is_file():
-        return None
-    device = target.get_input_embeddings().weight.device
-    d = config.data
-    return simulated_batch(
-        heldout, target, load_tokenizer(tokenizer), layer_ids, d.max_seq_len,
-        _autocast(device), dict(d.chat_template_kwargs),
-    )  # fmt: skip
-
-
-def _engine(
-    config: Config, layer_ids: list[int], hidden: int, dtype: torch.dtype, states: Path | None
-):
-    e = config.engine
-    client = EngineClient(
-        e.endpoints, hidden_transfer(e.backend, states), len(layer_ids), hidden, dtype,
-        model=e.model, timeout_s=e.timeout_s, max_retries=e.max_retries,
-    )  # fmt: skip
-    return client.states
-
-
-def target_geometry(d, target_dir: Path, init: Path | None) -> tuple[list[int], int]:
-    """The layers the drafter reads and the target's hidden size, from its config alone."""
-    from transformers import AutoConfig
-
-    from dflash.model.target_dir import resolve_target_path
-    from dflash.train.init_drafter import tapped_layers
-
-    path = resolve_target_path(target_dir)
-    text = AutoConfig.from_pretrained(path, local_files_only=True).get_text_config()
-    return tapped_layers(d, init, text.num_hidden_layers), text.hidden_size

@@ -1,50 +1,101 @@
-"""A decoupled target rank: the frozen target, serving features to the drafter ranks.
+"""A decoupled run's target ranks: the frozen target, serving features to the drafter ranks.
 
-It reads the same plan as the drafter ranks, builds the micro-batches the layout assigns to it
-(:func:`dflash.train.topology.schedule`) and sends each one's features to its drafter rank,
-keeping at most ``train.feature_prefetch`` sends per drafter rank unfinished. The time spent
-blocked on those sends is the target's idle time. Target ranks that shard the target run one
-forward per round in lockstep, a padding forward where the round has no micro-batch for them.
-It holds no trainable state: a resumed run tells it where the drafter ranks start.
+A target rank reads the same plan as the drafter ranks, builds the micro-batches the layout
+assigns to it (:func:`schedule`) and sends each one's features to its drafter rank, keeping at
+most ``train.feature_prefetch`` sends per drafter rank unfinished. The time spent blocked on
+those sends is the target's idle time. Target ranks that shard the target run one forward per
+round in lockstep, a padding forward where the round has no micro-batch for them. It holds no
+trainable state: a resumed run tells it where the drafter ranks start (:func:`start_point`).
+
+Which target rank computes a micro-batch is fixed by
+:meth:`dflash.train.distributed.ranks.RankLayout.source`; both sides derive the shapes from
+the plan rows, so only the features travel, with no header. Both ends hold the features on
+their own device and NCCL moves device buffers itself (gloo, CPU tensors), so nothing is
+staged in host memory and nothing needs pinning. The drafter side is
+:mod:`dflash.features.sources.decoupled`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from dflash.batching.io import epoch_path, read_plan_meta, read_rank_plan
+from dflash.batching.io import Row, epoch_path, read_plan_meta, read_rank_plan
 from dflash.config.schema import Config
 from dflash.data.store import TokenStore
 from dflash.data.tokenizer import load_tokenizer
-from dflash.model.distill import objective_of
-from dflash.model.features import sliding_windows, target_features
+from dflash.features.prefetch import epoch_micro_batches
+from dflash.features.source import balance
+from dflash.features.target_forward import (
+    feature_dtype,
+    micro_batch_features,
+    sliding_windows,
+    target_features,
+)
+from dflash.model.drafter import drafter_autocast
 from dflash.model.load import load_target
+from dflash.model.objective import objective_of
 from dflash.train import simulated
-from dflash.train.batches import build_micro_batch
+from dflash.train.batches import build_micro_batch, micro_batch_options
 from dflash.train.distributed.parallel import load_sharded_target
 from dflash.train.distributed.process_group import Dist
 from dflash.train.distributed.ranks import RankLayout
 from dflash.train.init_drafter import tapped_layers
 from dflash.train.observe.pilot import epoch_limits
 from dflash.train.run_files import TrainFiles
-from dflash.train.step import micro_batch_features
-from dflash.train.topology import fractions, schedule, start_point, wait
+
+TIMEOUT = timedelta(seconds=600)
+"""How long a rank waits on its peer before the job fails naming it (the process group's)."""
 
 ROW = ("input_ids", "document_ids", "position_ids", "loss_mask")
 """The integer tensors of the simulated-τ row, sent in this order before its features."""
 
 
-def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
-    """The training step's autocast: bf16 on CUDA, none on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+class TopologyError(RuntimeError):
+    """A peer rank stopped sending or taking features: the run cannot go on."""
+
+
+def schedule(
+    layout: RankLayout, rank: int, rank_steps: list[list[list[list[Row]]]], first_step: int
+) -> list[tuple[int, int, list[Row]] | None]:
+    """``(drafter rank, index, rows)`` that target ``rank`` computes in an epoch, one per round,
+    in the order it sends them: the drafter ranks' consumption order, so a bounded number in
+    flight never deadlocks. A round holds the next ``target_ranks`` micro-batches, so ranks in
+    lockstep never wait on a later round either; with a sharded target every target rank gets
+    one entry per round, None where the round has no micro-batch for it (at the epoch's first
+    and last rounds)."""
+    work = {
+        layout.position(drafter, index): (drafter, index, rows)
+        for drafter, steps in enumerate(rank_steps)
+        for index, rows in epoch_micro_batches(steps, first_step)
+    }
+    if not work:
+        return []
+    n, mine = layout.target_ranks, rank - layout.drafter_ranks
+    rounds = [work.get(r * n + mine) for r in range(min(work) // n, max(work) // n + 1)]
+    return rounds if layout.sharded_target else [w for w in rounds if w is not None]
+
+
+def wait(work: dist.Work, layout: RankLayout, peer: int, what: str) -> None:
+    """Wait for a point-to-point message; a dead or stuck peer becomes an error naming it."""
+    try:
+        ok = work.wait(TIMEOUT)
+    except RuntimeError as err:
+        raise TopologyError(f"{layout.describe(peer)} failed {what}: {err}") from err
+    if ok is False:
+        raise TopologyError(f"{layout.describe(peer)} timed out {what} after {TIMEOUT}")
+
+
+def start_point(world: Dist, epoch: int, step: int) -> tuple[int, int]:
+    """Drafter rank 0's resume point, on every rank of the job (collective)."""
+    point = torch.tensor([epoch, step], dtype=torch.int64, device=world.device)
+    dist.broadcast(point, src=0)
+    return int(point[0]), int(point[1])
 
 
 class BoundedSender:
@@ -102,19 +153,19 @@ def receive_row(layout: RankLayout, width: int, dtype: torch.dtype, device) -> d
 def serve(config: Config, files: TrainFiles, ctx: Dist, layout: RankLayout) -> None:
     """Run a target rank from the drafter ranks' start point to the end of the last epoch.
 
-    ``ctx`` is the target ranks' group when they shard the target (:func:`dflash.train.
-    topology.place`); every target rank then runs the same forwards, the simulated-τ
-    capture's included, so that their all-gathers pair up.
+    ``ctx`` is the target ranks' group when they shard the target
+    (:func:`dflash.features.sources.decoupled.place`); every target rank then runs the same
+    forwards, the held-out batch's included, so that their all-gathers pair up.
     """
     target = served_target(files.target, ctx, layout)
-    d, t = config.drafter, config.train
-    layer_ids = tapped_layers(d, files.init, target.config.num_hidden_layers)
-    dtype, autocast = target.get_input_embeddings().weight.dtype, autocast_for(ctx.device)
+    t = config.train
+    layer_ids = tapped_layers(config.drafter, files.init, target.config.num_hidden_layers)
+    dtype, autocast = feature_dtype(target), drafter_autocast(ctx.device)
     distills = objective_of(config).distills
     if ctx.rank == layout.drafter_ranks or layout.sharded_target:
         tokenizer = load_tokenizer(files.tokenizer)
         options = dict(config.data.chat_template_kwargs)
-        row = simulated.capture(
+        row = simulated.heldout_row(
             files.heldout, target, tokenizer, layer_ids, config.data.max_seq_len, autocast, options
         )
         if ctx.rank == layout.drafter_ranks:
@@ -122,7 +173,7 @@ def serve(config: Config, files: TrainFiles, ctx: Dist, layout: RankLayout) -> N
     first_epoch, first_step = start_point(ctx, 0, 0)
     began = time.perf_counter()
     store, sender = TokenStore(files.tokenized), BoundedSender(layout, t.feature_prefetch)
-    windows = sliding_windows(target)
+    options = micro_batch_options(config, sliding_windows(target))
     planned = [e["n_steps"] for e in read_plan_meta(files.plans)["epochs"]][: t.epochs]
     limits = epoch_limits(planned, t.max_steps)  # a pilot's drafter ranks stop there too
     for epoch in range(first_epoch, t.epochs):
@@ -135,17 +186,13 @@ def serve(config: Config, files: TrainFiles, ctx: Dist, layout: RankLayout) -> N
                     padding_forward(target, layer_ids, ctx.device)
                 continue
             drafter, index, rows = work
-            mb = build_micro_batch(
-                store, rows, block_size=d.block_size, anchors_per_sequence=d.anchors_per_sequence,
-                gamma=d.gamma, seed=t.seed, epoch=epoch, windows=windows,
-                position_weight=config.objective.position_weight,
-            ).to(ctx.device)  # fmt: skip
+            mb = build_micro_batch(store, rows, epoch=epoch, **options).to(ctx.device)
             with torch.inference_mode(), autocast:
                 features = micro_batch_features(target, layer_ids, mb, distills)
             sender.send(features.to(dtype).contiguous(), drafter, index)
     sender.drain()
     busy = time.perf_counter() - began - sender.idle_s
-    fractions(ctx, sender.idle_s, busy, "target")
+    balance(ctx, sender.idle_s, busy, "target")
 
 
 def served_target(path: Path, ctx: Dist, layout: RankLayout) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""Target features: the hidden states the drafter is conditioned on.
+"""The target's forward that yields features: the hidden states the drafter is conditioned on.
 
 DFlash reads the outputs of ``n`` target decoder layers spread from the second layer to the
 third-to-last and concatenates them, so the drafter sees both shallow and deep views of the
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,16 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dflash.model.mixing import by_document_rows, refuse, unconfined
-from dflash.model.remote import concat_layers
+from dflash.model.shipped import concat_layers
 from dflash.model.target_attention import DocumentLayout, ExactPathNeeded, target_attention
+
+if TYPE_CHECKING:
+    from dflash.train.batches import MicroBatch
+
+
+def feature_dtype(target: nn.Module) -> torch.dtype:
+    """The dtype features travel and are stored in: the target's own (its embedding's)."""
+    return target.get_input_embeddings().weight.dtype
 
 
 def one_document_per_row(document_ids: Tensor) -> bool:
@@ -131,6 +140,16 @@ def target_features(
         return _by_rows(target, input_ids, document_ids, layer_ids, sharded, last)
 
 
+def micro_batch_features(
+    target: nn.Module, layer_ids: list[int], mb: MicroBatch, last: bool = False
+) -> Tensor:
+    """The target features of one micro-batch, run the way its loader laid its rows out (with
+    the target's last hidden state after them where ``last``)."""
+    return target_features(
+        target, mb.input_ids, mb.position_ids, mb.document_ids, layer_ids, mb.layout, last=last
+    )
+
+
 def _features(
     target: nn.Module,
     input_ids: Tensor,
@@ -142,16 +161,16 @@ def _features(
 ) -> Tensor:
     """One forward of the target's first layers, keeping the fused layers' outputs (and, with
     ``last``, of all its layers, keeping its last hidden state too)."""
-    layers, captured = decoder_layers(target), {}
+    layers, outputs = decoder_layers(target), {}
 
-    def capture(index: int):
+    def keep_output(index: int):
         def hook(module: nn.Module, args: tuple, output: Tensor | tuple) -> None:
-            captured[index] = output[0] if isinstance(output, tuple) else output
+            outputs[index] = output[0] if isinstance(output, tuple) else output
 
         return hook
 
     extra = {} if layout is None else {"document_layout": layout}
-    handles = [layers[i].register_forward_hook(capture(i)) for i in sorted(set(layer_ids))]
+    handles = [layers[i].register_forward_hook(keep_output(i)) for i in sorted(set(layer_ids))]
     try:
         with _first_layers(target, len(layers) if last else max(layer_ids) + 1):
             out = target.base_model(
@@ -160,7 +179,7 @@ def _features(
     finally:
         for handle in handles:
             handle.remove()
-    features = concat_layers(captured, layer_ids, *([out.last_hidden_state] if last else []))
+    features = concat_layers(outputs, layer_ids, *([out.last_hidden_state] if last else []))
     return features * (document_ids >= 0)[..., None].to(features.dtype)
 
 
@@ -191,7 +210,7 @@ def _sharded(target: nn.Module) -> bool:
 
 def _shard_group(target: nn.Module) -> dist.ProcessGroup:
     """The ranks a sharded target is sharded over: all of the job's, or only the target ranks'
-    of a decoupled run (:mod:`dflash.train.topology`)."""
+    of a decoupled run (:mod:`dflash.features.target_ranks`)."""
     return next(p for p in target.parameters() if isinstance(p, DTensor)).device_mesh.get_group()
 
 

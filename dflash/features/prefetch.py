@@ -1,10 +1,10 @@
 """A drafter rank's window of feature requests, posted ahead of the micro-batches in plan order.
 
 A drafter rank whose features come from elsewhere (the target ranks of
-:class:`dflash.train.topology.DecoupledFeatures`, the engines or files of
-:class:`dflash.train.engine.DocumentFeatures`) asks for its next micro-batches' features before
-it trains on them, at most ``train.feature_prefetch`` at a time, so they are computed while it
-trains; the time it spends waiting on the oldest is the drafter's wait.
+:mod:`dflash.features.sources.decoupled`, the engines or files of
+:class:`dflash.features.documents.DocumentFeatures`) asks for its next micro-batches' features
+before it trains on them, at most ``train.feature_prefetch`` at a time, so they are computed
+while it trains; the time it spends waiting on the oldest is the drafter's wait.
 """
 
 from __future__ import annotations

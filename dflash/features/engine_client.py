@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from dflash.config.schema import EngineConfig
 from dflash.errors import ConfigError, UserError
 
 BACKOFF_S = 0.5
@@ -43,16 +44,6 @@ class EngineError(UserError, RuntimeError):
 
 class BadStates(ValueError):
     """An answer or a file that is not the states asked for (shape, dtype, tokens, values)."""
-
-
-def engine_layer_ids(layer_ids: list[int]) -> list[int]:
-    """The ``eagle_aux_hidden_state_layer_ids`` a server needs for the drafter's ``layer_ids``.
-
-    vLLM records aux state ``j`` before decoder layer ``j`` runs (its input, the residual
-    stream: the output of layer ``j - 1``, Hugging Face's ``hidden_states[j]``). The drafter
-    reads the output of layer ``i``, ``hidden_states[i + 1]``: engine id ``i + 1``.
-    """
-    return [i + 1 for i in layer_ids]
 
 
 def hidden_transfer(backend: str, directory: Path):
@@ -252,6 +243,18 @@ class EngineClient:
             if path.is_file():
                 with contextlib.suppress(OSError):
                     self.transfer.delete(str(path))  # read once: never left to be read stale
+
+
+def connect(
+    engine: EngineConfig, directory: Path, layers: int, hidden: int, dtype: torch.dtype
+) -> EngineClient:
+    """The client of the ``engine`` params' servers, for ``layers`` states of ``hidden`` each,
+    reading their files in ``directory`` (the workspace's ``hidden_states``)."""
+    transfer = hidden_transfer(engine.backend, directory)
+    return EngineClient(
+        engine.endpoints, transfer, layers, hidden, dtype,
+        model=engine.model, timeout_s=engine.timeout_s, max_retries=engine.max_retries,
+    )  # fmt: skip
 
 
 FAILED = (OSError, ValueError, KeyError, http.client.HTTPException)
