@@ -19,7 +19,8 @@ import time
 
 import torch
 
-from dflash.model.objective import ChunkedHeadLoss, chunk_rows
+from dflash.model.objective import chunk_rows
+from dflash.objectives.ce import ChunkedHeadLoss
 
 MIB = (8, 16, 32, 64)
 

@@ -21,7 +21,7 @@ from dflash.model.dflash2 import (
 )
 from dflash.model.drafter import TrainingAttention
 from dflash.model.drafter_attention import build_attention_mask, build_block_mask
-from dflash.model.remote import Layer, rope
+from dflash.model.shipped import Layer, rope
 
 H, GS = 12, 4
 V, RANK, K = 40, 6, 5

@@ -14,7 +14,7 @@ from test_dflash2_packed import ANCHORS, SIZES, make_dflash2, packed_forward, pa
 
 from dflash.model.dflash2_drafter import DFlash2Drafter, DFlash2Sizes, dflash2_config, is_dflash2
 from dflash.model.dflash2_weights import dflash2_shapes, export_weights, import_weights
-from dflash.model.remote import DFlashDraftConfig
+from dflash.model.shipped import DFlashDraftConfig
 
 CONTRACT = {
     "layers.{i}.attention_conv.base_kernel": lambda H, T, G, r, V: (2, T, H),

@@ -25,7 +25,7 @@ from dflash.commands.report import drafter_sources
 from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.metrics.schema import TrainDetails
-from dflash.model import remote
+from dflash.model import shipped
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.export import export_drafter
 from dflash.model.imported import checkpoint_weights, read_checkpoint
@@ -197,11 +197,11 @@ def test_export_gives_the_logits_of_its_own_dflash_py(target, tmp_path):
     )
     export_drafter(drafter, tmp_path / "export", target.config, torch.float32)
     again = imported(tmp_path / "export", target)
-    shipped = remote.DFlashDraftModel.from_pretrained(tmp_path / "export").eval()
+    served = shipped.DFlashDraftModel.from_pretrained(tmp_path / "export").eval()
     block, block_positions, features, context_positions = batch = micro_batch(target)
     positions = torch.cat([context_positions, block_positions], dim=1)
     with torch.no_grad():
-        hidden = shipped(target.get_input_embeddings()(block), features, positions)
+        hidden = served(target.get_input_embeddings()(block), features, positions)
         expected = target.get_output_embeddings()(hidden)
     assert (trainer_logits(again, batch) - expected).abs().max() <= 1e-5
 

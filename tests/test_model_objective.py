@@ -14,7 +14,8 @@ from dflash.model import drafter_attention as attention
 from dflash.model import objective
 from dflash.model.anchors import sample_anchors
 from dflash.model.layer_ids import target_layer_ids
-from dflash.model.objective import block_labels, decay_weights, dflash_objective
+from dflash.model.objective import block_labels, dflash_objective
+from dflash.objectives.weights.decay import decay_weights
 
 
 def test_target_layer_ids_rule():

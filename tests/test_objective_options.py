@@ -20,11 +20,14 @@ from transformers import AutoModel
 
 from dflash.config.schema import ObjectiveConfig
 from dflash.features.target_forward import target_features
-from dflash.model import objective
-from dflash.model.distill import Objective, WeightedHeadLoss, dpace_weights, head_terms
+from dflash.model import losses, objective
 from dflash.model.drafter import PAPER_RULE, layer_rules, rule_masks
 from dflash.model.export import config_json, export_drafter, read_config
-from dflash.model.objective import block_labels, decay_weights, dflash_objective
+from dflash.model.losses import WeightedHeadLoss, head_terms
+from dflash.model.objective import Objective, block_labels, dflash_objective
+from dflash.model.position_weights import position_weight
+from dflash.objectives.weights.decay import decay_weights
+from dflash.objectives.weights.dpace import dpace_weights
 
 V, H = 50, 16
 
@@ -34,10 +37,15 @@ def _head(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(V, H, generator=gen), torch.randn(V, generator=gen)
 
 
-def _weighted(hidden, teacher, labels, weights, loss, rows=3, blocks=None, alpha=0.5):
+def _weighted(hidden, teacher, labels, weights, name, rows=3, blocks=None):
+    """``WeightedHeadLoss`` of the loss ``name``, D-PACE weighted (alpha 0.5) over ``blocks``
+    (the labels' places among ``[B, bs]``) where they are given."""
     weight, bias = _head()
+    reweigh = None
+    if blocks is not None:
+        reweigh = position_weight("dpace").labels(*blocks, Objective(name, "dpace", 0.5))
     out, _, used = WeightedHeadLoss.apply(
-        hidden, weight, bias, labels, teacher, weights, rows, loss, blocks, alpha
+        hidden, weight, bias, labels, teacher, weights, rows, losses.loss(name), reweigh
     )
     return out, used
 
@@ -134,7 +142,9 @@ def test_head_terms_confidence_is_the_labels_probability():
     gen = torch.Generator().manual_seed(5)
     hidden, labels = torch.randn(4, H, generator=gen), torch.randint(0, V, (4,), generator=gen)
     weight, bias = _head()
-    _, confidence, hits, grads = head_terms(hidden, weight, bias, labels, None, "ce", 2, grad=False)
+    _, confidence, hits, grads = head_terms(
+        hidden, weight, bias, labels, None, losses.loss("ce"), 2, grad=False
+    )
     probs = F.softmax(F.linear(hidden, weight, bias), dim=-1)
     torch.testing.assert_close(confidence, probs[torch.arange(4), labels])
     assert torch.equal(hits, probs.argmax(-1) == labels) and grads is None

@@ -21,7 +21,7 @@ from torch import nn
 from dflash import cli
 from dflash.config.params import load_config
 from dflash.errors import ConfigError
-from dflash.model.distill import Objective
+from dflash.model.objective import Objective
 from dflash.train import simulated
 from dflash.train.checkpointing import best, checkpoint
 from dflash.train.loop import Trainer

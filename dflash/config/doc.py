@@ -71,11 +71,26 @@ def strategy_lines() -> list[str]:
     return [f"- `{name}`: {s.doc}" for name, s in strategies().items()]
 
 
+def plugin_lines(package: str, attribute: str) -> list[str]:
+    """Each choice of an extension point, with its module's own line of documentation."""
+    return [f"- {doc}" for doc in plugins.docs(package, attribute).values()]
+
+
+def objective_lines() -> list[str]:
+    weights = plugin_lines("dflash.objectives.weights", "POSITION_WEIGHT")
+    return [*plugin_lines("dflash.objectives", "OBJECTIVE"), "", "Position weights:", "", *weights]
+
+
 EXPLAINED = {
+    "drafter": (
+        "The families of `drafter.family`:",
+        lambda: plugin_lines("dflash.drafters", "DRAFTER"),
+    ),
+    "objective": ("The losses of `objective.loss`:", objective_lines),
     "batching": ("The strategies of `batching.strategy`:", strategy_lines),
     "train": (
         "The feature sources of `train.topology` and `train.features`:",
-        lambda: [f"- {doc}" for doc in plugins.docs("dflash.features.sources", "SOURCE").values()],
+        lambda: plugin_lines("dflash.features.sources", "SOURCE"),
     ),
 }
 """Lines under a section's table, with their heading, from the code the choices name."""

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from dflash.batching.choices import BOUNDARY_METHODS, strategy_names
+from dflash.config.plugins import choices
 from dflash.config.types import Float, Int, Section, TemplateOptions, int_at_most, one_of, require
 from dflash.features.choices import feature_choices, topologies
 
@@ -139,6 +140,9 @@ class RegenerateConfig(Section):
 
 
 class DrafterConfig(Section):
+    family: one_of(choices("dflash.drafters", "DRAFTER")) = "dflash"
+    """The kind of drafter (listed below): a module of ``dflash.drafters`` or an installed
+    plug-in."""
     init_from: str | None = None
     """A DFlash checkpoint directory under models/init/ (z-lab's, speculators' or this
     project's export) that training starts from; None starts from random weights. Its
@@ -198,15 +202,12 @@ class DrafterConfig(Section):
 
 
 class ObjectiveConfig(Section):
-    loss: Literal["ce", "kl", "ce+kl"] = "ce"
-    """What each block slot is trained on: ``ce``, cross-entropy against the data token (the
-    paper); ``kl``, KL divergence to the target's next-token distribution there (temperature 1,
-    its logits from its last hidden state through the LM head, so the target runs all its
-    layers); ``ce+kl``, their sum."""
-    position_weight: Literal["decay", "dpace"] = "decay"
-    """How block slots weigh: ``decay``, exp(-(k-1)/drafter.gamma); ``dpace``, D-PACE, the
-    expected tokens accepted from slot k on given the drafter's confidence in the labels
-    (loss normalised by the label count)."""
+    loss: one_of(choices("dflash.objectives", "OBJECTIVE")) = "ce"
+    """What each block slot is trained on (listed below): a module of ``dflash.objectives`` or
+    an installed plug-in."""
+    position_weight: one_of(choices("dflash.objectives.weights", "POSITION_WEIGHT")) = "decay"
+    """How block slots weigh (listed below): a module of ``dflash.objectives.weights`` or an
+    installed plug-in."""
     dpace_alpha: Float = Field(0.5, ge=0.0, le=1.0)
     """D-PACE smoothing: a slot's confidence q counts as (1 - alpha) q + alpha."""
 

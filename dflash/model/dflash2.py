@@ -8,7 +8,7 @@ per slot given the token chosen one slot earlier, and the block is read off by a
 the anchor. Parameter names and layouts are the ones vLLM, SGLang and z-lab's reference load
 (``layers.{i}.attention_conv.base_kernel`` ...), so an exported checkpoint serves unchanged.
 
-Like :mod:`dflash.model.remote`, this module imports torch and the standard library only (and
+Like :mod:`dflash.model.shipped`, this module imports torch and the standard library only (and
 that module), so it can ship beside it as remote code.
 """
 
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.model.remote import DFlashDraftConfig, Layer
+from dflash.model.shipped import DFlashDraftConfig, Layer
 
 SIDES = 2
 """A conv's two kernels, ``base_kernel[side]``: 0 convolves the sublayer's input (``prepare``),

@@ -25,7 +25,7 @@ from dflash.model.dflash2 import (
     init_dflash2_,
 )
 from dflash.model.drafter import DFlashDrafter, TrainingAttention
-from dflash.model.remote import DFlashDraftConfig
+from dflash.model.shipped import DFlashDraftConfig
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from torch import Tensor
 
 from dflash.model.dflash2 import SIDES, draft_value
-from dflash.model.remote import DFlashDraftConfig
+from dflash.model.shipped import DFlashDraftConfig
 
 CONVS = ("attention_conv", "mlp_conv")
 SELECTOR = "candidate_selector"

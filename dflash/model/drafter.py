@@ -4,7 +4,7 @@ The drafter borrows the target's embedding and LM head (frozen, never saved with
 conditioned on target features by *KV injection*: in every layer the keys and values are the
 fused context features followed by the block tokens, through the same ``k_proj``/``v_proj``.
 Queries come from the block only. Its config, layers, rope and weight names are those of
-:mod:`dflash.model.remote`, the file every export ships; here the attention applies the training
+:mod:`dflash.model.shipped`, the file every export ships; here the attention applies the training
 rule with its own kernels and keeps a context cache for generation.
 """
 
@@ -23,11 +23,11 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from dflash.model import hf_files, remote
+from dflash.model import hf_files, shipped
 from dflash.model.drafter_attention import AnchorBlocks, BlockMask, attend, build_block_mask
 from dflash.model.export import config_json, read_config
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
-from dflash.model.remote import (
+from dflash.model.shipped import (
     Attention,
     DFlashDraftConfig,
     DraftModules,
@@ -87,7 +87,7 @@ def rule_masks(
     block_positions: Tensor,
 ) -> RuleMasks:
     """The training rule ``mask`` for full, bidirectional layers and, for every other rule, the
-    rule as a dense mask narrowed by it (:func:`~dflash.model.remote.visible`): the window
+    rule as a dense mask narrowed by it (:func:`~dflash.model.shipped.visible`): the window
     counts in positions, which restart at each document, so packed rows stay exact."""
     masks = RuleMasks({PAPER_RULE: mask})
     T = position_ids.shape[1]
@@ -249,12 +249,16 @@ class DFlashDrafter(DraftModules, nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         dtype = dtype or self.borrowed.embed_tokens.weight.dtype
-        config = config_json(self.config, target_config, dtype)
+        config = self.config_json(target_config, dtype)
         (directory / hf_files.CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         weights = self.state_dict() if weights is None else weights
         state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in weights.items()}
         save_file(state, directory / hf_files.WEIGHTS, metadata={"format": "pt"})
-        shutil.copyfile(remote.__file__, directory / hf_files.REMOTE_CODE)
+        shutil.copyfile(shipped.__file__, directory / hf_files.REMOTE_CODE)
+
+    def config_json(self, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
+        """Its export's ``config.json`` (:func:`dflash.model.export.config_json`)."""
+        return config_json(self.config, target_config, dtype)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: nn.Module) -> DFlashDrafter:

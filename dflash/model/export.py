@@ -10,7 +10,7 @@ its ids count the embedding as layer 0, so they are DFlash's ``target_layer_ids`
 vLLM derives them from ``dflash_config`` the same way; older builds read only this key).
 SGLang finds the mask token by its string, ``dflash_config.mask_token``, and assumes ``<|MASK|>``
 without it. z-lab's documented ``AutoModel`` path with ``trust_remote_code=True`` needs
-``auto_map`` and the modelling file it names (:mod:`dflash.model.remote`).
+``auto_map`` and the modelling file it names (:mod:`dflash.model.shipped`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from dflash.fileio import atomic_dir
-from dflash.model import remote
+from dflash.model import shipped
 from dflash.model.card import model_card
 from dflash.model.hf_files import MODEL_CARD, REMOTE_CODE
 from dflash.model.layer_ids import engine_layer_ids
-from dflash.model.remote import DFlashDraftConfig
+from dflash.model.shipped import DFlashDraftConfig
 from dflash.model.target_dir import resolve_target_path
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def config_json(
     draft by (:func:`serving_keys`).
     """
     return {
-        "architectures": [remote.DFlashDraftModel.__name__],
+        "architectures": [shipped.DFlashDraftModel.__name__],
         "model_type": "qwen3",
         "hidden_act": "silu",
         "attention_bias": False,
@@ -142,8 +142,8 @@ def auto_map() -> dict[str, str]:
     """Where ``AutoConfig`` and ``AutoModel`` find the classes of the shipped ``dflash.py``."""
     module = Path(REMOTE_CODE).stem
     return {
-        "AutoConfig": f"{module}.{remote.DFlashDraftConfig.__name__}",
-        "AutoModel": f"{module}.{remote.DFlashDraftModel.__name__}",
+        "AutoConfig": f"{module}.{shipped.DFlashDraftConfig.__name__}",
+        "AutoModel": f"{module}.{shipped.DFlashDraftModel.__name__}",
     }
 
 
@@ -175,7 +175,7 @@ def export_run(
     dtype = export_dtype(config.export.dtype, target_dir)
     dtype = dtype or drafter.borrowed.embed_tokens.weight.dtype
     card = model_card(
-        config_json(drafter.config, target_config, dtype),
+        drafter.config_json(target_config, dtype),
         resolve_target_path(target_dir),
         params,
         training,

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from dflash.model.drafter import ContextCache, DFlashDrafter, drafter_autocast
-from dflash.model.remote import kv, select_features
+from dflash.model.shipped import kv, select_features
 
 
 @dataclass

@@ -3,7 +3,7 @@
 z-lab's format is the one :mod:`dflash.model.export` writes (docs/design.md, "Drafter
 export"): a Qwen3 ``config.json`` whose ``dflash_config`` holds ``target_layer_ids`` and
 ``mask_token_id`` (``block_size`` at the top level, or inside it in newer files), and weights
-``layers.*``, ``fc``, ``hidden_norm`` and ``norm`` under the names :mod:`dflash.model.remote`
+``layers.*``, ``fc``, ``hidden_norm`` and ``norm`` under the names :mod:`dflash.model.shipped`
 gives them. speculators' ``DFlashDraftModel`` keeps the same weight names, but its
 ``config.json`` nests the layer config under ``transformer_layer_config`` and names the
 tapped layers ``aux_hidden_state_layer_ids``, counted from the embedding (vLLM's ids: DFlash's
@@ -30,10 +30,10 @@ from transformers import AutoConfig
 
 from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
-from dflash.model import hf_files, remote
+from dflash.model import hf_files, shipped
 from dflash.model.layer_ids import drafter_layer_ids
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
-from dflash.model.remote import DFlashDraftConfig
+from dflash.model.shipped import DFlashDraftConfig
 
 KEY = "drafter.init_from"
 
@@ -171,7 +171,7 @@ def _layers(path: Path, fmt: str, raw: dict) -> dict[str, Any]:
         "vocab_size": config.vocab_size,
         "num_hidden_layers": config.num_hidden_layers,
     }
-    return layers | {"rope_theta": remote.rope_theta(config)}
+    return layers | {"rope_theta": shipped.rope_theta(config)}
 
 
 def _zlab(path: Path, data: dict) -> Checkpoint:
@@ -271,7 +271,7 @@ def check_weights(checkpoint: Checkpoint, depth: int) -> None:
         with _opened(checkpoint, file) as f:
             shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if _drafter_name(k)}
     with torch.device("meta"):
-        model = remote.DFlashDraftModel(checkpoint.drafter_config(depth, None))
+        model = shipped.DFlashDraftModel(checkpoint.drafter_config(depth, None))
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     wrong = [f"{k} {shapes[k]} (expected {expected[k]})" for k in expected.keys() & shapes.keys()

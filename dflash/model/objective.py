@@ -5,9 +5,11 @@ predict ``input_ids[p + k]`` — the *same* position, no shift: slot 0 holds the
 and is excluded, and the context it sees stops strictly before ``p``. This is exactly what the
 drafter faces at inference; shifting the labels by one or letting the context reach ``p`` trains
 something else, and acceptance collapses to ~1 (SpecForge #455).
-Early slots matter most at inference (a rejection ends the block), hence the decay
-``w_k = exp(-(k-1)/gamma)``. Sums are returned, not means: the trainer divides by the weight sum
-over all ranks and micro-batches, so every token weighs the same whatever the batching.
+What each slot is trained on and how slots weigh are extension points, a module each
+(``dflash.model.losses``, ``dflash.model.position_weights``); the paper's is cross-entropy with
+early slots weighing most, since a rejection ends the block. Sums are returned, not means: the
+trainer divides by the weight sum over all ranks and micro-batches, so every token weighs the
+same whatever the batching.
 """
 
 from __future__ import annotations
@@ -17,17 +19,42 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from dflash.model.distill import PAPER, Objective, WeightedHeadLoss
+from dflash.model import losses, position_weights
 from dflash.model.drafter import PAPER_RULE, DFlashDrafter, layer_rules, rule_masks
 from dflash.model.drafter_attention import AnchorBlocks, build_attention_mask, flex_available
+from dflash.model.losses import WeightedHeadLoss
+from dflash.objectives import Loss
+from dflash.objectives.weights import PositionWeight
+
+
+class Objective(NamedTuple):
+    """What the loss is and how block slots weigh: ``objective`` in params.yaml."""
+
+    loss: str = "ce"
+    position_weight: str = "decay"
+    dpace_alpha: float = 0.5
+
+    @property
+    def distills(self) -> bool:
+        """Whether the loss reads the target's distribution (its last hidden state)."""
+        return losses.loss(self.loss).distills
+
+
+PAPER = Objective()
+"""Decay-weighted cross-entropy: the default."""
+
+
+def objective_of(config) -> Objective:
+    """The :class:`Objective` of a params ``Config`` (its ``objective`` section)."""
+    o = config.objective
+    return Objective(o.loss, o.position_weight, o.dpace_alpha)
 
 
 class ObjectiveOutput(NamedTuple):
     loss_sum: Tensor
-    """Scalar Σ w·CE, with gradient."""
+    """Scalar Σ w·loss, with gradient."""
     weight_sum: Tensor
     """Scalar Σ w over the counted labels."""
     correct: Tensor
@@ -36,18 +63,12 @@ class ObjectiveOutput(NamedTuple):
     """``[bs]`` long: labels counted per block slot (slot 0 always 0)."""
 
 
-def decay_weights(block_size: int, gamma: float) -> Tensor:
-    """``[bs]`` weights: 0 for slot 0 (the given anchor), ``exp(-(k-1)/gamma)`` for k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float64)
-    weights = torch.exp(-(k - 1) / gamma)
-    weights[0] = 0.0
-    return weights.float()
-
-
 @functools.cache
-def _device_decay_weights(block_size: int, gamma: float, device: torch.device) -> Tensor:
-    """:func:`decay_weights` on ``device``, built once: not a copy to it at every call."""
-    return decay_weights(block_size, gamma).to(device)
+def _device_slot_weights(
+    weighting: PositionWeight, block_size: int, gamma: float, device: torch.device
+) -> Tensor:
+    """A weighting's slot weights on ``device``, built once: not a copy to it at every call."""
+    return weighting.slots(block_size, gamma).to(device)
 
 
 def _gather_blocks(x: Tensor, anchors: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
@@ -138,43 +159,6 @@ def chunk_rows(vocab_size: int, device: torch.device) -> int:
     return max(1, LOGITS_PER_CHUNK // vocab_size)
 
 
-class ChunkedHeadLoss(torch.autograd.Function):
-    """``Σ w * CE(lm_head(hidden), target)`` and top-1 hits without the full logits.
-
-    The LM head is frozen, so the only gradient is the one w.r.t. ``hidden``; it is computed
-    chunk by chunk in the forward, while each chunk's fp32 logits exist, and kept as one
-    ``[N, H]`` tensor. Logits never exist for more than one chunk of ``rows`` labels.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, weights, rows):
-        loss = hidden.new_zeros((), dtype=torch.float32)
-        hits = torch.empty_like(target, dtype=torch.bool)
-        grad = torch.empty_like(hidden, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        for i in range(0, hidden.shape[0], rows):
-            part = slice(i, i + rows)
-            logits = F.linear(hidden[part].to(weight.dtype), weight, bias).float()
-            top, best = logits.max(dim=-1)
-            hits[part] = best == target[part]
-            picked = logits.gather(1, target[part, None])[:, 0]
-            probs = logits.sub_(top[:, None]).exp_()  # in place: one [rows, V] buffer
-            total = probs.sum(dim=-1)
-            loss += (weights[part] * (top + total.log() - picked)).sum()
-            if grad is not None:  # d CE / d logits = softmax - one_hot, then through the head
-                probs.mul_((weights[part] / total)[:, None])
-                probs[torch.arange(len(top), device=probs.device), target[part]] -= weights[part]
-                grad[part] = probs.to(weight.dtype) @ weight
-        ctx.save_for_backward(grad)
-        ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(hits)
-        return loss, hits
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_hits):
-        (grad,) = ctx.saved_tensors
-        return (grad_loss * grad).to(ctx.hidden_dtype), None, None, None, None, None
-
-
 def _one_row_documents(document_ids: Tensor) -> Tensor:
     """Rows laid end to end keep their documents apart: each row's ids shifted by ``row * T``."""
     R, T = document_ids.shape
@@ -217,7 +201,8 @@ class LabelPlan:
     slots: Tensor
     """``[L]``: each counted label's block slot."""
     weights: Tensor
-    """``[L]`` float32: each counted label's decay weight."""
+    """``[L]`` float32: each counted label's weight known ahead (1 each for a weighting that
+    depends on the drafter's output)."""
     counted: Tensor
     """``[bs]`` long: labels counted per block slot."""
     blocks: AnchorBlocks | None = None
@@ -237,11 +222,12 @@ def label_plan(
     """The :class:`LabelPlan` of a micro-batch of ``R`` rows, its anchors checked; with the
     two-part kernel's chunks if ``blocks``.
 
-    The one home of the weighting rule: the objective weighs its loss with ``weights``, and
-    the data loader sums them ahead of the forward (``MicroBatch.weight_sum``) to normalise it.
-    D-PACE's weights depend on the drafter's output, so with ``position_weight: dpace`` every
-    label weighs 1 here and the loss is normalised by the label count, as speculators does.
+    The one home of the weights known ahead: the objective weighs its loss with ``weights``,
+    and the data loader sums them ahead of the forward (``MicroBatch.weight_sum``) to normalise
+    it. A weighting that depends on the drafter's output (D-PACE) has every label weigh 1 here,
+    and the loss is normalised by the label count, as speculators does.
     """
+    weighting = position_weights.position_weight(position_weight)
     _check_anchors(document_ids, anchors)
     R, T = document_ids.shape
     row = torch.arange(R, device=anchors.device)[:, None]
@@ -258,8 +244,8 @@ def label_plan(
         index=index,
         slots=slots,
         weights=(
-            _device_decay_weights(block_size, gamma, index.device)[slots]
-            if position_weight == "decay"
+            _device_slot_weights(weighting, block_size, gamma, index.device)[slots]
+            if weighting.slots is not None
             else torch.ones(slots.shape, dtype=torch.float32, device=index.device)
         ),
         counted=torch.bincount(slots, minlength=block_size),
@@ -281,13 +267,13 @@ def dflash_objective(
     plan: LabelPlan | None = None,
     objective: Objective = PAPER,
 ) -> ObjectiveOutput:
-    """Decay-weighted block cross-entropy of ``R`` rows of ``T`` tokens with ``A`` anchors each,
-    or the loss and position weights ``objective`` names (:mod:`dflash.model.distill`).
+    """The loss of ``R`` rows of ``T`` tokens with ``A`` anchors each, as ``objective`` says:
+    by default decay-weighted block cross-entropy.
 
     ``flex`` forces FlexAttention (True) or the two-part kernel (False); None picks
     FlexAttention on CUDA. ``plan`` is :func:`label_plan` of these inputs, computed ahead (then
-    nothing here reads the device back); without it, it is computed here. A distilling
-    ``objective`` takes ``features`` with the target's last hidden state as their last columns
+    nothing here reads the device back); without it, it is computed here. A loss that distills
+    takes ``features`` with the target's last hidden state as their last columns
     (``target_features(..., last=True)``).
     """
     _check_shapes(input_ids, loss_mask, document_ids, position_ids, anchors)
@@ -301,17 +287,24 @@ def dflash_objective(
             loss_mask, document_ids, anchors, bs, gamma, blocks=not flex,
             position_weight=objective.position_weight,
         )  # fmt: skip
+    term = losses.loss(objective.loss)
     teacher = None
-    if objective.distills:
+    if term.distills:
         width = drafter.head()[0].shape[1]
         features, teacher = features[..., :-width], features[..., -width:]
     features, input_ids, loss_mask, document_ids, position_ids = _one_row(
         features, input_ids, loss_mask, document_ids, position_ids
     )
-    anchors, T = plan.anchors, input_ids.shape[1]
+    hidden = _draft(drafter, features, input_ids, document_ids, position_ids, plan, flex)
+    labels, _ = _gather_blocks(input_ids, plan.anchors, bs)
+    return _head_loss(drafter, hidden, labels, teacher, plan, objective, term)
+
+
+def _draft(drafter, features, input_ids, document_ids, position_ids, plan, flex) -> Tensor:
+    """The drafter's hidden states ``[1, N * bs, H]`` of the plan's blocks in the one row."""
+    bs, anchors, T = drafter.config.block_size, plan.anchors, input_ids.shape[1]
     slot = torch.arange(bs, device=anchors.device)
     safe_anchor = anchors.clamp(min=0)
-
     first = input_ids.gather(1, safe_anchor)[:, :, None]
     block_ids = torch.where(slot == 0, first, drafter.config.mask_token_id)
     block_positions = position_ids.gather(1, safe_anchor)[:, :, None] + slot
@@ -324,21 +317,39 @@ def dflash_objective(
         mask = rule_masks(
             mask, rules, anchors, document_ids, bs, position_ids, block_positions.flatten(1)
         )
-    hidden = drafter(block_ids.flatten(1), block_positions.flatten(1), features, position_ids, mask)
-    labels, _ = _gather_blocks(input_ids, anchors, bs)
+    return drafter(block_ids.flatten(1), block_positions.flatten(1), features, position_ids, mask)
+
+
+def _head_loss(
+    drafter: DFlashDrafter,
+    hidden: Tensor,
+    labels: Tensor,
+    teacher: Tensor | None,
+    plan: LabelPlan,
+    objective: Objective,
+    term: Loss,
+) -> ObjectiveOutput:
+    """The counted labels' loss through the LM head: the loss's fused kernel where the weights
+    are known ahead and it has one, else its terms weighted as ``objective`` says."""
     weight, bias = drafter.head()
     rows = chunk_rows(weight.shape[0], weight.device)
-    if not objective.default:
-        return _other_objective(
-            hidden, weight, bias, labels, teacher, anchors, plan, objective, rows
-        )
-    loss_sum, hits = ChunkedHeadLoss.apply(
-        hidden.flatten(0, 1).index_select(0, plan.index),
-        weight,
-        bias,
-        labels.flatten().index_select(0, plan.index),
-        plan.weights,
-        rows,
+    weighting = position_weights.position_weight(objective.position_weight)
+    anchors, bs = plan.anchors, labels.shape[-1]
+    picked = hidden.flatten(0, 1).index_select(0, plan.index)
+    targets = labels.flatten().index_select(0, plan.index)
+    if term.fused is not None and weighting.slots is not None:
+        loss_sum, hits = term.fused(picked, weight, bias, targets, plan.weights, rows)
+        return _output(loss_sum, hits, plan, bs)
+    taught = None
+    if teacher is not None:  # the target's distribution of the token at p + k is read at p + k - 1
+        before = anchors[:, :, None] + torch.arange(bs, device=anchors.device) - 1
+        places = before.clamp(min=0).flatten().index_select(0, plan.index)
+        taught = teacher.flatten(0, 1).index_select(0, places)
+    reweigh = None
+    if weighting.confidence is not None:
+        reweigh = weighting.labels(plan.index, (anchors.shape[1], bs), objective)
+    loss_sum, hits, _ = WeightedHeadLoss.apply(
+        picked, weight, bias, targets, taught, plan.weights, rows, term, reweigh
     )
     return _output(loss_sum, hits, plan, bs)
 
@@ -352,37 +363,3 @@ def _output(loss_sum: Tensor, hits: Tensor, plan: LabelPlan, bs: int) -> Objecti
         correct=correct.index_add_(0, plan.slots, hits.long()),
         counted=plan.counted,
     )
-
-
-def _other_objective(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    labels: Tensor,
-    teacher: Tensor | None,
-    anchors: Tensor,
-    plan: LabelPlan,
-    objective: Objective,
-    rows: int,
-) -> ObjectiveOutput:
-    """The objective with a loss or position weights other than the paper's."""
-    bs = labels.shape[-1]
-    taught = None
-    if teacher is not None:  # the target's distribution of the token at p + k is read at p + k - 1
-        before = anchors[:, :, None] + torch.arange(bs, device=anchors.device) - 1
-        places = before.clamp(min=0).flatten().index_select(0, plan.index)
-        taught = teacher.flatten(0, 1).index_select(0, places)
-    dpace = objective.position_weight == "dpace"
-    loss_sum, hits, _ = WeightedHeadLoss.apply(
-        hidden.flatten(0, 1).index_select(0, plan.index),
-        weight,
-        bias,
-        labels.flatten().index_select(0, plan.index),
-        taught,
-        plan.weights,
-        rows,
-        objective.loss,
-        (plan.index, (anchors.shape[1], bs)) if dpace else None,
-        objective.dpace_alpha,
-    )
-    return _output(loss_sum, hits, plan, bs)

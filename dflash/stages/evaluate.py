@@ -23,7 +23,7 @@ from dflash.eval.records import prompt_records, records_csv
 from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.metrics.dvclive import open_live
 from dflash.metrics.schema import EvalDetails
-from dflash.model.drafter import DFlashDrafter
+from dflash.model.families import load_drafter
 from dflash.model.generate import DrafterProposer
 from dflash.model.load import load_target
 from dflash.pipeline.fingerprint import path_digest
@@ -42,7 +42,7 @@ def run(config: Config, workspace: Workspace) -> int:
     torch.manual_seed(config.evaluate.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(w.target, device=device)
-    drafter = DFlashDrafter.from_pretrained(w.drafter, target).to(device).eval()
+    drafter = load_drafter(w.drafter, target).to(device).eval()
     tokenizer = load_tokenizer(w.tokenizer)
     sets = prompt_sets(config, tokenizer, w.heldout, (w.prompts, w.dvc_cache))
     bs, stop_ids = drafter.config.block_size, stop_token_ids(tokenizer)

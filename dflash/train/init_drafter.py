@@ -17,14 +17,8 @@ from torch import nn
 
 from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
-from dflash.model.drafter import DFlashDrafter
-from dflash.model.imported import (
-    Checkpoint,
-    check_finite,
-    check_weights,
-    checkpoint_weights,
-    read_checkpoint,
-)
+from dflash.model.families import family
+from dflash.model.imported import Checkpoint, check_finite, check_weights, read_checkpoint
 from dflash.model.layer_ids import target_layer_ids
 
 
@@ -121,21 +115,15 @@ def checked_checkpoint(
 
 def build_drafter(
     d: DrafterConfig, init: Path | None, target: nn.Module, tokenizer: Any, seed: int
-) -> tuple[DFlashDrafter, dict[str, str]]:
-    """The drafter training starts from: ``init``'s weights as stored, or a seeded random one;
-    and where its geometry came from (``provenance``, plus ``init_from``)."""
+) -> tuple[nn.Module, dict[str, str]]:
+    """The drafter of ``drafter.family`` training starts from: ``init``'s weights as stored, or
+    a seeded random one; and where its geometry came from (``provenance``, plus ``init_from``)."""
     shape = target_shape(target.config, tokenizer)
     checkpoint, sources = checked_checkpoint(d, init, shape, values=False)  # read just below
+    kind = family(d.family)
     if checkpoint is None:
-        drafter = DFlashDrafter.from_target(
-            target, block_size=d.block_size, num_hidden_layers=d.num_hidden_layers,
-            num_target_features=d.num_target_features, mask_token_id=tokenizer.mask_token_id,
-            mask_token=tokenizer.mask_token, seed=seed, layer_types=d.layer_types,
-            sliding_window=d.sliding_window, causal=d.causal,
-        )  # fmt: skip
-        return drafter, sources
-    config = checkpoint.drafter_config(shape.depth, tokenizer.mask_token)
-    drafter = DFlashDrafter.from_weights(config, checkpoint_weights(checkpoint), target)
+        return kind.build(d, target, tokenizer, seed), sources
+    drafter = kind.start_from(checkpoint, shape.depth, tokenizer.mask_token, target)
     return drafter, sources | {"init_from": f"{checkpoint.path} ({checkpoint.format})"}
 
 

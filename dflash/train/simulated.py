@@ -22,10 +22,10 @@ from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import stop_token_ids
 from dflash.features.target_forward import target_features
-from dflash.model.distill import Objective, dpace_weights
 from dflash.model.drafter_attention import build_attention_mask
 from dflash.model.generate import greedy_generate
-from dflash.model.objective import LOGITS_PER_CHUNK, block_labels, decay_weights
+from dflash.model.objective import LOGITS_PER_CHUNK, Objective, block_labels
+from dflash.model.position_weights import position_weight
 
 PROMPTS = 8
 """Held-out conversations in the batch: the first ones by id, cut before their first answer."""
@@ -212,21 +212,17 @@ class SimulatedTau:
         """Validation figures of one drafter forward over the batch's counted block slots.
 
         ``val_loss`` is the cross-entropy of the target's token (its own greedy answer, so
-        also its argmax) weighted by slot as ``objective.position_weight`` says: decay with
-        ``gamma``, or D-PACE from the drafter's probabilities; CE whatever ``objective.loss``
-        is, since the batch keeps the target's tapped features, not its distribution.
+        also its argmax) weighted by slot as ``objective.position_weight`` says (decay with
+        ``gamma``, or from the drafter's probabilities); CE whatever ``objective.loss`` is, since
+        the batch keeps the target's tapped features, not its distribution.
         ``val_accuracy`` is the share of counted slots whose top-1 is that token, and
         ``val_simulated_tau`` is :meth:`measure`'s τ. Timed into the cost figure.
         """
         began = time.perf_counter()
         top, log_probs = self._slots(drafter, log_probs=True)
         counts = self.counts
-        if objective.position_weight == "dpace":
-            weights = dpace_weights(log_probs.exp(), counts, objective.dpace_alpha)
-        else:
-            decay = decay_weights(self.labels.shape[1], gamma).to(log_probs.device)
-            weights = decay * counts
-        weights = weights.double()
+        weighting = position_weight(objective.position_weight)
+        weights = weighting.blocks(log_probs.exp(), counts, objective, gamma).double()
         loss = -(weights * log_probs.double()).sum() / weights.sum().clamp(min=1e-12)
         hits = ((top == self.labels) & counts).sum()
         figures = {
