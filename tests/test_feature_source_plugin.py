@@ -93,7 +93,7 @@ def test_a_toy_feature_source_added_as_one_module_trains(tiny_workspace, tmp_pat
     shutil.copy(ROOT / "dvc.yaml", repo)
     (repo / "dflash/features/sources/toy.py").write_text(TOY)
 
-    page = tmp_path / "configuration.md"
+    page = tmp_path / "params_page.txt"
     run(["-m", "dflash.config.doc", str(page)], tmp_path, repo)
     assert "`target` \\| `files` \\| `toy`" in page.read_text()
     assert "- ``toy``: seeded noise as wide as the target's features" in page.read_text()
