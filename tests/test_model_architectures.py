@@ -11,8 +11,8 @@ import transformers as tf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from dflash.model import target_attention
 from dflash.features.target_forward import decoder_layers, target_features
+from dflash.model import target_attention
 from dflash.model.mixing import by_document_rows, mixers, pointwise, unconfined
 from dflash.model.shipped import select_features
 from dflash.train.distributed.parallel import shard_target

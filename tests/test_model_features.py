@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_qwen3
 
-from dflash.model import target_attention
 from dflash.features.target_forward import decoder_layers, one_document_per_row, target_features
+from dflash.model import target_attention
 from dflash.model.shipped import select_features
 from dflash.model.target_attention import NAME, DocumentLayout, document_classes, tile_keys
 

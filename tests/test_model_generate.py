@@ -10,8 +10,8 @@ from transformers import Qwen3ForCausalLM
 
 from dflash.eval.lossless import classify
 from dflash.eval.ngram import NgramProposer
-from dflash.model.drafter import DFlashDrafter
 from dflash.features.target_forward import target_features
+from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import dflash_generate, greedy_generate, speculative_generate
 from dflash.model.objective import dflash_objective
 

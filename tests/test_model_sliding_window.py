@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash.model import target_attention
 from dflash.features.target_forward import target_features
+from dflash.model import target_attention
 from dflash.model.shipped import select_features
 
 LAYERS = [1, 2, 3]
