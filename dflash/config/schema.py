@@ -172,6 +172,19 @@ class DrafterConfig(Section):
     causal: bool = False
     """Block slots see only the slots at or before their own (exported as
     ``dflash_config.causal``); false is the paper's bidirectional block."""
+    conv_kernel_size: Int = Field(2, ge=1)
+    """``dflash2``: taps of each block-local convolution, slot t mixing with slots t-1 ..
+    t-taps+1 of its own block; at most ``block_size``."""
+    conv_group_size: Int = Field(16, ge=1)
+    """``dflash2``: contiguous hidden channels that share one content-dependent kernel value;
+    must divide the target's hidden size."""
+    selector_rank: Int = Field(16, ge=1)
+    """``dflash2``: rank of the selector's two codebooks over the vocabulary. 16 is an eighth
+    of the tiny target's 128 hidden channels, so the codebooks (2 x 4,096 x 16 weights) stay
+    half the size of the one-layer drafter; z-lab's 27B drafter uses 256 of 5,120."""
+    selector_top_k: Int = Field(16, ge=1)
+    """``dflash2``: candidates per slot, the head's top-K that the selector rescores; at most
+    the vocabulary size."""
 
     @property
     def min_loss_tokens(self) -> int:
@@ -198,6 +211,9 @@ class DrafterConfig(Section):
             require(self.init_from is None or getattr(self, key) == default, f"drafter.{key}",
                     f"must be {default} with drafter.init_from: the checkpoint's layers are "
                     "kept", getattr(self, key))  # fmt: skip
+        require(self.conv_kernel_size <= self.block_size, "drafter.conv_kernel_size",
+                f"reaches past a block: at most drafter.block_size = {self.block_size}",
+                self.conv_kernel_size)  # fmt: skip
         return self
 
 
@@ -210,6 +226,9 @@ class ObjectiveConfig(Section):
     installed plug-in."""
     dpace_alpha: Float = Field(0.5, ge=0.0, le=1.0)
     """D-PACE smoothing: a slot's confidence q counts as (1 - alpha) q + alpha."""
+    selector_alpha: Float = Field(1.0, ge=0.0)
+    """Weight of the selector's K-way cross-entropy beside the head's loss, for drafters with a
+    candidate selector (``dflash2``); others have no such term."""
 
 
 class BatchingConfig(Section):
