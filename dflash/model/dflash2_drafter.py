@@ -13,8 +13,10 @@ one of the same weights does: convs the identity, pair term 0.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.model.dflash2 import (
@@ -23,8 +25,10 @@ from dflash.model.dflash2 import (
     SelectorScores,
     Walk,
     init_dflash2_,
+    teacher_predecessors,
 )
 from dflash.model.drafter import DFlashDrafter, TrainingAttention
+from dflash.model.objective import chunk_rows
 from dflash.model.shipped import DFlashDraftConfig
 
 
@@ -159,6 +163,23 @@ class DFlash2Drafter(DFlashDrafter):
         return SelectorScores(
             *(_cat([getattr(p, f) for p in parts]) for f in SelectorScores._fields)
         )
+
+    def extra_loss(self, hidden: Tensor, labels: Tensor, plan: Any, objective: Any) -> Tensor:
+        """``objective.selector_alpha`` x the selector's K-way cross-entropy of the plan's
+        counted labels, each weighed as the head's loss weighs it (``plan.weights``): scores
+        teacher-forced on the blocks' own tokens (slot 1's predecessor the anchor), the label
+        added to the scored set where the top-K lacks it. ``hidden [1, N * bs, H]`` and
+        ``labels [1, N, bs]`` are the objective's; chunked as its head loss is."""
+        picked = hidden.flatten(0, 1).index_select(0, plan.index)
+        predecessors = teacher_predecessors(labels.flatten(1), self.config.block_size)
+        predecessors = predecessors.flatten().index_select(0, plan.index)
+        gold = labels.flatten().index_select(0, plan.index)
+        weight = self.head()[0]
+        scores = self.selector_scores(
+            picked, predecessors, gold, rows=chunk_rows(weight.shape[0], weight.device)
+        )
+        ce = F.cross_entropy(scores.scores, scores.gold_index, reduction="none")
+        return objective.selector_alpha * (ce * plan.weights.to(ce.dtype)).sum()
 
     def walk(
         self,

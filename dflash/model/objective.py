@@ -35,6 +35,8 @@ class Objective(NamedTuple):
     loss: str = "ce"
     position_weight: str = "decay"
     dpace_alpha: float = 0.5
+    selector_alpha: float = 1.0
+    """Weight of a drafter's own extra term (``extra_loss``), where it has one."""
 
     @property
     def distills(self) -> bool:
@@ -49,7 +51,7 @@ PAPER = Objective()
 def objective_of(config) -> Objective:
     """The :class:`Objective` of a params ``Config`` (its ``objective`` section)."""
     o = config.objective
-    return Objective(o.loss, o.position_weight, o.dpace_alpha)
+    return Objective(o.loss, o.position_weight, o.dpace_alpha, o.selector_alpha)
 
 
 class ObjectiveOutput(NamedTuple):
@@ -274,7 +276,9 @@ def dflash_objective(
     FlexAttention on CUDA. ``plan`` is :func:`label_plan` of these inputs, computed ahead (then
     nothing here reads the device back); without it, it is computed here. A loss that distills
     takes ``features`` with the target's last hidden state as their last columns
-    (``target_features(..., last=True)``).
+    (``target_features(..., last=True)``). A drafter with an ``extra_loss(hidden [1, N*bs, H],
+    labels [1, N, bs], plan, objective)`` (DDP's inner module included) adds that weighted sum
+    of its own term to the head's.
     """
     _check_shapes(input_ids, loss_mask, document_ids, position_ids, anchors)
     if features.shape[:2] != input_ids.shape:
@@ -297,7 +301,11 @@ def dflash_objective(
     )
     hidden = _draft(drafter, features, input_ids, document_ids, position_ids, plan, flex)
     labels, _ = _gather_blocks(input_ids, plan.anchors, bs)
-    return _head_loss(drafter, hidden, labels, teacher, plan, objective, term)
+    out = _head_loss(drafter, hidden, labels, teacher, plan, objective, term)
+    extra = getattr(getattr(drafter, "module", drafter), "extra_loss", None)
+    if extra is None:
+        return out
+    return out._replace(loss_sum=out.loss_sum + extra(hidden, labels, plan, objective))
 
 
 def _draft(drafter, features, input_ids, document_ids, position_ids, plan, flex) -> Tensor:
