@@ -88,7 +88,16 @@ TRAIN: tuple[Metric, ...] = (
     M("val_loss", "The loss on the held-out batch at a validation.", plots=(VALIDATION,)),
     M("val_accuracy", "The accuracy on the held-out batch at a validation.",
       plots=(VALIDATION,)),
-    M("val_simulated_tau", "τ on the held-out batch at a validation.", plots=(VALIDATION,)),
+    M("val_simulated_tau", "τ on the held-out batch at a validation (a drafter with a "
+      "selector, ``dflash2``: along its greedy walk).", plots=(VALIDATION,)),
+    M("val_top_k_recall", "``dflash2``: the share of held-out draft positions whose target "
+      "token is among the head's top-K candidates, at a validation.", plots=(VALIDATION,)),
+    M("val_selector_accuracy", "``dflash2``: the share of held-out draft positions where the "
+      "selector, given the target's previous token, picks the target's token, at a "
+      "validation.", plots=(VALIDATION,)),
+    M("val_path_accuracy", "``dflash2``: the share of held-out draft positions where the "
+      "selector's own greedy walk drafts the target's token, at a validation.",
+      plots=(VALIDATION,)),
     M("final_loss", "The mean loss of the last epoch's finite steps (None: see "
       "``null_reasons``).", float | None, SUMMARY,
       shown=(HEADLINE, CARD, REPORT, COMPARE), label="final loss", spec=".3f"),

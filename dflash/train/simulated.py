@@ -1,8 +1,9 @@
 """Simulated acceptance length: τ of the drafter during training, cheap enough to log often.
 
-Per block, τ is 1 + the number of leading slots whose drafter top-1 equals the target's own
-token there, averaged over blocks (SpecForge's ``simulated_acc_len``). The batch is made once:
-the target's own greedy continuations of a few held-out prompts, one block anchored at every
+Per block, τ is 1 + the number of leading slots whose draft equals the target's own token
+there (the drafter's top-1, or for a drafter with a selector, its greedy walk from the anchor),
+averaged over blocks (SpecForge's ``simulated_acc_len``). The batch is made once: the target's
+own greedy continuations of a few held-out prompts, one block anchored at every
 response token, with the target's features. So a match is what verification would accept, and
 each measurement costs one drafter forward and its LM head; the result depends on the weights
 only. It differs from ``evaluate``'s τ, which counts only the blocks decoding really reaches.
@@ -22,6 +23,7 @@ from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import stop_token_ids
 from dflash.features.target_forward import target_features
+from dflash.model.dflash2 import teacher_predecessors
 from dflash.model.drafter_attention import build_attention_mask
 from dflash.model.generate import greedy_generate
 from dflash.model.objective import LOGITS_PER_CHUNK, Objective, block_labels
@@ -174,9 +176,11 @@ class SimulatedTau:
         )
 
     @torch.no_grad()
-    def _slots(self, drafter, log_probs: bool = False) -> tuple[Tensor, Tensor | None]:
-        """``[A, bs]`` per block slot, from one drafter forward: its top-1 token, and with
-        ``log_probs`` the fp32 log-probability it gives the label."""
+    def _slots(self, drafter, log_probs: bool = False) -> dict[str, Tensor]:
+        """``[A, bs]`` per block slot, from one drafter forward: ``top``, its top-1 token;
+        ``drafts``, what it proposes (the selector's walk where it has one, else ``top``); with
+        ``log_probs``, ``log_probs`` (fp32, of the label) and, with a selector, its
+        teacher-forced figures (:meth:`_selector_hits`)."""
         labels = self.labels.flatten()
         with self.autocast:
             hidden = drafter(
@@ -189,8 +193,41 @@ class SimulatedTau:
                 tops.append(logits.argmax(-1))
                 if log_probs:
                     scores.append(label_log_probs(logits, y))
+            shape = self.labels.shape
+            out = {"top": torch.cat(tops).view(shape)}
+            out["drafts"] = out["top"]
+            selector = with_selector(drafter)
+            if selector is not None:
+                out["drafts"] = self._walk(selector, hidden.view(*shape, -1))
+                if log_probs:
+                    out |= self._selector_hits(selector, hidden)
+        if log_probs:
+            out["log_probs"] = torch.cat(scores).view(shape)
+        return out
+
+    def _walk(self, drafter, hidden: Tensor) -> Tensor:
+        """``[A, bs]``: each block's anchor, then the selector's greedy walk from it; a few
+        blocks at a time, so the logits stay ``HEAD_CHUNK`` slots."""
+        anchors = self.block_ids.view(self.labels.shape)[:, 0]
+        blocks = max(1, HEAD_CHUNK // self.labels.shape[1])
+        walked = [
+            drafter.walk(h, a).tokens
+            for h, a in zip(hidden.split(blocks), anchors.split(blocks), strict=True)
+        ]
+        return torch.cat([anchors[:, None], torch.cat(walked)], dim=1)
+
+    def _selector_hits(self, drafter, hidden: Tensor) -> dict[str, Tensor]:
+        """``[A, bs]`` bool per slot: ``in_top_k``, the label among the head's K; ``selected``,
+        the selector's best given the label's own predecessor is the label (teacher-forced)."""
+        block_size = self.labels.shape[1]
+        predecessors = teacher_predecessors(self.labels.flatten(), block_size)  # slot 0: anchor
+        scores = drafter.selector_scores(hidden, predecessors, self.labels.flatten(), HEAD_CHUNK)
+        selected = scores.loss_candidates.gather(-1, scores.scores.argmax(-1, keepdim=True))[:, 0]
         shape = self.labels.shape
-        return torch.cat(tops).view(shape), torch.cat(scores).view(shape) if log_probs else None
+        return {
+            "in_top_k": scores.gold_in_top_k.view(shape),
+            "selected": selected.view(shape) == self.labels,
+        }
 
     def _taus(self, top: Tensor) -> Tensor:
         """``[A]``: per block, 1 + the drafts accepted before the first miss."""
@@ -199,7 +236,7 @@ class SimulatedTau:
 
     def block_taus(self, drafter) -> Tensor:
         """``[A]``: per block, 1 + the drafts accepted before the first miss."""
-        return self._taus(self._slots(drafter)[0])
+        return self._taus(self._slots(drafter)["drafts"])
 
     def measure(self, drafter) -> float:
         """The mean over blocks, timed for the cost figure."""
@@ -219,16 +256,31 @@ class SimulatedTau:
         ``val_simulated_tau`` is :meth:`measure`'s τ. Timed into the cost figure.
         """
         began = time.perf_counter()
-        top, log_probs = self._slots(drafter, log_probs=True)
-        counts = self.counts
+        slots = self._slots(drafter, log_probs=True)
+        log_probs, counts = slots["log_probs"], self.counts
         weighting = position_weight(objective.position_weight)
         weights = weighting.blocks(log_probs.exp(), counts, objective, gamma).double()
         loss = -(weights * log_probs.double()).sum() / weights.sum().clamp(min=1e-12)
-        hits = ((top == self.labels) & counts).sum()
         figures = {
             "val_loss": loss.item(),
-            "val_accuracy": (hits / counts.sum().clamp(min=1)).item(),
-            "val_simulated_tau": self._taus(top).double().mean().item(),
+            "val_accuracy": self._share(slots["top"] == self.labels),
+            "val_simulated_tau": self._taus(slots["drafts"]).double().mean().item(),
         }
+        if "selected" in slots:
+            figures |= {
+                "val_top_k_recall": self._share(slots["in_top_k"]),
+                "val_selector_accuracy": self._share(slots["selected"]),
+                "val_path_accuracy": self._share(slots["drafts"] == self.labels),
+            }
         self.seconds += time.perf_counter() - began
         return figures
+
+    def _share(self, hits: Tensor) -> float:
+        """The share of counted slots where ``hits [A, bs]`` holds."""
+        return ((hits & self.counts).sum() / self.counts.sum().clamp(min=1)).item()
+
+
+def with_selector(drafter) -> nn.Module | None:
+    """The drafter (DDP's inner module) when it drafts by a selector's walk, else None."""
+    inner = getattr(drafter, "module", drafter)
+    return inner if hasattr(inner, "walk") else None

@@ -1,0 +1,76 @@
+"""DFlash 2's training figures on the held-out batch: simulated τ along the selector's walk,
+top-K recall, teacher-forced selector accuracy and path accuracy."""
+
+import pytest
+import torch
+from conftest import MASK_ID, tiny_drafter
+from test_dflash2_packed import _randomize_dflash2_, make_dflash2
+from test_dflash2_upgrade import _trained_dflash, _upgraded
+
+from dflash.features.target_forward import target_features
+from dflash.model.objective import PAPER
+from dflash.train.simulated import SimulatedTau
+
+NO_AUTOCAST = torch.autocast("cpu", enabled=False)
+SELECTOR_FIGURES = {"val_top_k_recall", "val_selector_accuracy", "val_path_accuracy"}
+
+
+def _simulated(target, drafter) -> SimulatedTau:
+    """Two documents of answers after short prompts, every answer token an anchor."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, MASK_ID, (1, 40), generator=gen)
+    docs = torch.tensor([[0] * 18 + [1] * 22])
+    pos = torch.cat([torch.arange(18), torch.arange(22)])[None]
+    loss_mask = torch.ones_like(ids)
+    loss_mask[0, :6] = loss_mask[0, 18:24] = 0
+    features = target_features(target, ids, pos, docs, drafter.config.target_layer_ids)
+    row = {"input_ids": ids, "document_ids": docs, "position_ids": pos, "loss_mask": loss_mask}
+    return SimulatedTau.from_row(row | {"features": features}, drafter, NO_AUTOCAST)
+
+
+@torch.no_grad()
+def _walked_alone(simulated: SimulatedTau, drafter, index: int) -> int:
+    """One block as SelectorProposer drafts it: its document's context only, then the walk."""
+    bs, anchor = drafter.config.block_size, int(simulated.anchors[index])
+    docs = simulated.document_ids[0]
+    start = int(torch.nonzero(docs == docs[anchor])[0, 0])
+    block = slice(index * bs, (index + 1) * bs)
+    ids = simulated.block_ids[:, block]
+    hidden = drafter(
+        ids, simulated.block_positions[:, block],
+        simulated.features[:, start:anchor], simulated.context_positions[:, start:anchor],
+    )  # fmt: skip
+    drafts = drafter.walk(hidden, ids[:, 0]).tokens[0]
+    hits = (drafts == simulated.labels[index, 1:]) & simulated.counts[index, 1:]
+    return 1 + int(hits.long().cumprod(0).sum())
+
+
+def test_simulated_tau_follows_the_selectors_walk(target):
+    drafter = _randomize_dflash2_(make_dflash2(target, transform=False), draw=2)
+    simulated = _simulated(target, drafter)
+    taus = simulated.block_taus(drafter)
+    assert len(taus) == len(simulated.anchors) > 20
+    for index in range(len(taus)):
+        assert int(taus[index]) == _walked_alone(simulated, drafter, index), index
+    slots = simulated._slots(drafter)
+    assert not torch.equal(slots["drafts"][:, 1:], slots["top"][:, 1:])  # the walk is no argmax
+
+
+def test_an_upgraded_drafter_has_the_dflash_drafters_simulated_tau(target):
+    dflash = _trained_dflash(target)
+    simulated = _simulated(target, dflash)
+    dflash2 = _upgraded(dflash, target)
+    assert torch.equal(simulated.block_taus(dflash2), simulated.block_taus(dflash))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_validation_figures_of_each_family(target, kind):
+    if kind == "dflash":
+        drafter = tiny_drafter(target)
+    else:
+        drafter = _randomize_dflash2_(make_dflash2(target, transform=False), draw=2)
+    figures = _simulated(target, drafter).validate(drafter, PAPER, 7.0)
+    assert (SELECTOR_FIGURES <= set(figures)) == (kind == "dflash2")
+    for name, value in figures.items():
+        if name != "val_loss" and name != "val_simulated_tau":
+            assert 0.0 <= value <= 1.0, name
