@@ -12,10 +12,8 @@ from torch import nn
 from dflash.config.schema import DrafterConfig
 from dflash.drafters import Family
 from dflash.errors import ConfigError
-from dflash.model.dflash2_drafter import DFlash2Drafter, DFlash2Sizes
+from dflash.model.dflash2_drafter import ARCHITECTURE, DFlash2Drafter, DFlash2Sizes
 from dflash.model.imported import Checkpoint
-
-ARCHITECTURE = "DFlash2DraftModel"
 
 
 def sizes(d: DrafterConfig) -> DFlash2Sizes:

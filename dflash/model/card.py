@@ -16,6 +16,9 @@ import yaml
 from dflash.metrics.names import CARD, shown
 from dflash.model.hf_files import REMOTE_CODE
 
+DFLASH2 = "DFlash2DraftModel"
+"""The architecture of a DFlash 2 export (``dflash.model.dflash2_drafter.ARCHITECTURE``)."""
+
 TRAINING_KEYS = tuple(m.name for m in shown(CARD))
 """Training figures the card shows (:data:`dflash.metrics.names.CARD`): the run's outcome,
 never its timings. A ``train.keep_best`` run also shows the step whose weights it holds."""
@@ -54,6 +57,7 @@ TARGET_NOTE = "the target: its hub name, or its directory (models/target of the 
 
 
 def _serving(target: str, directory: str, block_size: int) -> str:
+    """How vLLM and SGLang serve the drafter."""
     spec = json.dumps(
         {"method": "dflash", "model": directory, "num_speculative_tokens": block_size - 1}
     )
@@ -80,7 +84,24 @@ python -m sglang.launch_server --model-path "$TARGET" \\
   --speculative-num-draft-tokens {block_size} \\
   --trust-remote-code
 ```
+"""
 
+
+def _dflash2(dflash: dict[str, Any]) -> str:
+    """What makes the drafter DFlash 2, and what serves it."""
+    return f"""
+A DFlash 2 drafter (`{DFLASH2}`): a block-local dynamic convolution of
+{dflash["conv_kernel_size"]} taps around every sublayer ({dflash["conv_group_size"]} channels a
+group), and a rank-{dflash["selector_rank"]} selector that rescores the head's top
+{dflash["selector_top_k"]} candidates per slot; a block is the selector's greedy walk from the
+anchor. vLLM (0.33.0 and later) and SGLang (0.5.23 and later) serve `{DFLASH2}`; no remote code
+ships with it.
+"""
+
+
+def _transformers(target: str, directory: str) -> str:
+    """How Transformers runs the drafter through the remote code shipped beside it."""
+    return f"""
 Transformers (the modelling code is `{REMOTE_CODE}` in this directory):
 
 ```python
@@ -169,7 +190,12 @@ def model_card(
     bs, dflash = config["block_size"], config["dflash_config"]
     mask = dflash.get("mask_token", "?")
     source = params.get("data", {}).get("source", "?")
-    return f"""# DFlash drafter for `{target}`
+    architecture = config["architectures"][0]
+    if architecture == DFLASH2:
+        name, running = "DFlash 2", _serving(target, directory, bs) + _dflash2(dflash)
+    else:
+        name, running = "DFlash", _serving(target, directory, bs) + _transformers(target, directory)
+    return f"""# {name} drafter for `{target}`
 
 A DFlash block-diffusion draft model trained by the dflash pipeline against `{target}`: in one
 forward pass it drafts {bs - 1} tokens from the features of target layers
@@ -179,7 +205,7 @@ Trained on the conversations of `{source}` (`data.source`).
 {config["dtype"]}, mask token `{mask}` (id {dflash["mask_token_id"]}). The target's embedding
 and LM head are borrowed, not stored here.
 
-{_serving(target, directory, bs)}
+{running}
 ## Training params
 
 ```yaml

@@ -13,12 +13,14 @@ one of the same weights does: convs the identity, pair term 0.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash.model import hf_files
 from dflash.model.dflash2 import (
     CandidateSelector,
     DFlash2Layer,
@@ -27,9 +29,13 @@ from dflash.model.dflash2 import (
     init_dflash2_,
     teacher_predecessors,
 )
+from dflash.model.dflash2_weights import export_weights
 from dflash.model.drafter import DFlashDrafter, TrainingAttention
 from dflash.model.objective import chunk_rows
 from dflash.model.shipped import DFlashDraftConfig
+
+ARCHITECTURE = "DFlash2DraftModel"
+"""``architectures[0]`` of a DFlash 2 export: the class vLLM and SGLang serve it by."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,29 @@ class DFlash2Drafter(DFlashDrafter):
             named = "; ".join(f"{what} {names}" for what, names in wrong.items() if names)
             raise ValueError(f"not a DFlash drafter's weights: {named}")
         return drafter
+
+    def config_json(self, target_config: Any = None, dtype: torch.dtype | None = None) -> dict:
+        """DFlash's ``config.json`` naming :data:`ARCHITECTURE`, with ``block_size`` and the
+        four sizes under ``dflash_config`` (where the engines read them first); no
+        ``auto_map``, as no remote code ships for DFlash 2."""
+        data = super().config_json(target_config, dtype)
+        del data["auto_map"]
+        served = {"block_size": self.config.block_size, **data["dflash_config"]}
+        return data | {"architectures": [ARCHITECTURE], "dflash_config": served}
+
+    def save_pretrained(
+        self,
+        directory: str | Path,
+        target_config: Any = None,
+        dtype: torch.dtype | None = None,
+        weights: dict[str, Tensor] | None = None,
+    ) -> None:
+        """DFlash's export with the weights in the engines' layout (checked by
+        :func:`~dflash.model.dflash2_weights.export_weights`) and without DFlash's remote
+        code, which cannot run these weights."""
+        weights = export_weights(self.state_dict() if weights is None else weights, self.config)
+        super().save_pretrained(directory, target_config, dtype, weights)
+        (Path(directory) / hf_files.REMOTE_CODE).unlink()
 
     def dflash2_keys(self) -> list[str]:
         """The state-dict keys DFlash 2 adds to DFlash's: convs and selector."""

@@ -46,6 +46,16 @@ DRAFTER_KEYS = (
 """The drafter's own top-level ``config.json`` keys besides ``rope_theta``, in written order."""
 DFLASH_KEYS = ("mask_token_id", "target_layer_ids", "mask_token", "causal")
 """The keys under ``dflash_config``; ``mask_token`` and ``causal`` only where the run sets them."""
+DFLASH2_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+"""The keys under ``dflash_config`` of a DFlash 2 drafter only, after :data:`DFLASH_KEYS`: its
+four sizes, and the served unary transform where a checkpoint sets it."""
 DEFAULT_MAX_POSITIONS = 32768
 """Rope cache size SGLang assumes when ``max_position_embeddings`` is missing."""
 
@@ -89,7 +99,9 @@ def config_json(
         **{key: getattr(config, key) for key in DRAFTER_KEYS},
         "rope_theta": config.theta,
         **serving_keys(config, target_config, dtype),
-        "dflash_config": {key: config.dflash[key] for key in DFLASH_KEYS if key in config.dflash},
+        "dflash_config": {
+            key: config.dflash[key] for key in DFLASH_KEYS + DFLASH2_KEYS if key in config.dflash
+        },
     }
 
 
@@ -108,7 +120,9 @@ def read_config(data: dict) -> DFlashDraftConfig:
         **windows,
         use_sliding_window=bool(windows),
         rope_theta=data["rope_theta"],
-        dflash_config={key: dflash[key] for key in DFLASH_KEYS if dflash.get(key) is not None},
+        dflash_config={
+            key: dflash[key] for key in DFLASH_KEYS + DFLASH2_KEYS if dflash.get(key) is not None
+        },
     )
 
 
