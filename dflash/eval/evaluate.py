@@ -23,8 +23,11 @@ from dflash.eval.lossless import classify
 from dflash.eval.metrics import acceptance_by_position, summarize_method, wall_seconds
 from dflash.eval.prompts import PromptSet
 from dflash.eval.strata import strata
+from dflash.model.dflash2_drafter import DFlash2Drafter
+from dflash.model.dflash2_generate import SelectorProposer
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.generate import (
+    DrafterProposer,
     GenerateOutput,
     greedy_decode,
     speculative_generate,
@@ -53,14 +56,25 @@ class Decodes:
 def untrained_drafter(drafter: DFlashDrafter, target, seed: int) -> DFlashDrafter:
     """The same drafter at initialisation: what training added is the difference."""
     c = drafter.config
-    return DFlashDrafter.from_target(
-        target,
-        block_size=c.block_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_target_features=len(c.target_layer_ids),
-        mask_token_id=c.mask_token_id,
-        seed=seed,
-    ).eval()
+    options = {
+        "block_size": c.block_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_target_features": len(c.target_layer_ids),
+        "mask_token_id": c.mask_token_id,
+        "seed": seed,
+    }
+    if isinstance(drafter, DFlash2Drafter):
+        sizes = drafter.sizes()
+        return DFlash2Drafter.from_target(target, sizes=sizes, **options).eval()
+    return DFlashDrafter.from_target(target, **options).eval()
+
+
+def proposer(drafter: DFlashDrafter) -> DrafterProposer:
+    """How decoding drafts with ``drafter``: DFlash 2's greedy selector walk from the anchor,
+    else each slot's argmax."""
+    if isinstance(drafter, DFlash2Drafter):
+        return SelectorProposer(drafter)
+    return DrafterProposer(drafter)
 
 
 def decode_all(target, proposers: dict, prompts, new_tokens, near_tie, stop_ids, bs) -> Decodes:

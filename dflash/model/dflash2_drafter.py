@@ -26,6 +26,7 @@ from dflash.model.dflash2 import (
     DFlash2Layer,
     SelectorScores,
     Walk,
+    draft_value,
     init_dflash2_,
     teacher_predecessors,
 )
@@ -145,6 +146,10 @@ class DFlash2Drafter(DFlashDrafter):
         weights = export_weights(self.state_dict() if weights is None else weights, self.config)
         super().save_pretrained(directory, target_config, dtype, weights)
         (Path(directory) / hf_files.REMOTE_CODE).unlink()
+
+    def sizes(self) -> DFlash2Sizes:
+        """The four DFlash 2 sizes of its config."""
+        return DFlash2Sizes(*(draft_value(self.config, f.name) for f in fields(DFlash2Sizes)))
 
     def dflash2_keys(self) -> list[str]:
         """The state-dict keys DFlash 2 adds to DFlash's: convs and selector."""

@@ -15,7 +15,7 @@ import torch
 
 from dflash.config.schema import Config
 from dflash.data.tokenizer import load_tokenizer, stop_token_ids
-from dflash.eval.evaluate import NGRAM_MAX, score, untrained_drafter
+from dflash.eval.evaluate import NGRAM_MAX, proposer, score, untrained_drafter
 from dflash.eval.ngram import NgramProposer
 from dflash.eval.outputs import eval_headline, live_summary, strata_csv
 from dflash.eval.prompts import prompt_sets
@@ -24,7 +24,6 @@ from dflash.fileio import remove_files, write_json_atomic, write_text_atomic
 from dflash.metrics.dvclive import open_live
 from dflash.metrics.schema import EvalDetails
 from dflash.model.families import load_drafter
-from dflash.model.generate import DrafterProposer
 from dflash.model.load import load_target
 from dflash.pipeline.fingerprint import path_digest
 from dflash.pipeline.freshness import stale_drafter
@@ -47,9 +46,9 @@ def run(config: Config, workspace: Workspace) -> int:
     sets = prompt_sets(config, tokenizer, w.heldout, (w.prompts, w.dvc_cache))
     bs, stop_ids = drafter.config.block_size, stop_token_ids(tokenizer)
     proposers = {
-        "dflash": DrafterProposer(drafter),
+        "dflash": proposer(drafter),
         "ngram": NgramProposer(bs, NGRAM_MAX),
-        "untrained": DrafterProposer(untrained_drafter(drafter, target, config.train.seed)),
+        "untrained": proposer(untrained_drafter(drafter, target, config.train.seed)),
     }
     scored = [score(target, drafter, proposers, s, config, stop_ids) for s in sets]
     metrics, decodes = scored[0]  # the held-out split: today's keys at the top
