@@ -1,0 +1,33 @@
+"""``drafter.family: dflash2`` end to end on the tiny workspace: a few steps of training with a
+validation kept as best, the export, and evaluation by the selector's walk, lossless."""
+
+import csv
+import json
+
+from conftest import run_stages
+
+DFLASH2 = [
+    "drafter.family=dflash2",
+    "drafter.conv_group_size=8",
+    "train.world_size=1",
+    "train.epochs=1",
+    "train.max_steps=3",
+    "train.eval_every=2",
+    "train.keep_best=true",
+    "evaluate.num_prompts=2",
+]
+
+
+def test_dflash2_trains_exports_and_evaluates(tiny_workspace):
+    run_stages(tiny_workspace, ["plan", "train", "evaluate"], DFLASH2)
+    config = json.loads((tiny_workspace / "models/drafter/config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"]["conv_group_size"] == 8
+    assert config["dflash_config"]["selector_top_k"] == 16
+    rows = list(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))
+    validated = [r for r in rows if r.get("val_path_accuracy")]
+    assert validated and all(0 <= float(r["val_top_k_recall"]) <= 1 for r in validated)
+    metrics = json.loads((tiny_workspace / "metrics/eval_details.json").read_text())
+    assert metrics["lossless_mismatches"] == 0 and metrics["n_prompts"] > 0
+    assert metrics["baselines"]["untrained"]["lossless_mismatches"] == 0
+    assert 1.0 <= metrics["acceptance_length"] <= 4.0
