@@ -4,12 +4,17 @@ selector."""
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from test_dflash2_packed import ANCHORS, _randomize_dflash2_, make_dflash2, one_row, packed_inputs
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from dflash.model import dflash2_drafter
 from dflash.model.dflash2 import unary
 from dflash.model.objective import Objective, dflash_objective, label_plan
+from dflash.train.distributed.parallel import borrowed_unsharded, wrap_drafter
+from dflash.train.distributed.process_group import Dist
 
 GAMMA = 7.0
 
@@ -83,3 +88,34 @@ def test_the_gradient_reaches_the_selector(target, trained):
     assert grads["hidden_projection.weight"].abs().sum() > 0  # the pair term starts at 0
     if trained:
         assert all(g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of this process alone: FSDP shards over one rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_the_selector_term_trains_a_wrapped_drafter_alike(target, world_of_one, parallelism):
+    """The term is computed outside the forward: DDP's inner module and FSDP's gathered root
+    must give it the weights and take its gradients as the bare drafter does."""
+    bare = _randomize_dflash2_(make_dflash2(target), draw=7)
+    wrapped = _randomize_dflash2_(make_dflash2(target), draw=7)
+    model = wrap_drafter(wrapped, world_of_one, parallelism)
+    assert isinstance(model, DistributedDataParallel | FSDPModule)
+    for drafter in (bare, model):
+        drafter.zero_grad()
+        with borrowed_unsharded(drafter):
+            _loss(drafter, _batch(bare), 1.0).backward()
+    for (name, p), q in zip(
+        bare.candidate_selector.named_parameters(),
+        wrapped.candidate_selector.parameters(),
+        strict=True,
+    ):
+        grad = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
+        torch.testing.assert_close(grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
