@@ -98,6 +98,9 @@ TRAIN: tuple[Metric, ...] = (
     M("val_path_accuracy", "``dflash2``: the share of held-out draft positions where the "
       "selector's own greedy walk drafts the target's token, at a validation.",
       plots=(VALIDATION,)),
+    M("val_top_k_oracle_tau", "``dflash2``: τ on the held-out batch were each slot's draft "
+      "the target's token whenever the head's top-K holds it: the most a selector over these "
+      "candidates could accept, at a validation.", plots=(VALIDATION,)),
     M("final_loss", "The mean loss of the last epoch's finite steps (None: see "
       "``null_reasons``).", float | None, SUMMARY,
       shown=(HEADLINE, CARD, REPORT, COMPARE), label="final loss", spec=".3f"),

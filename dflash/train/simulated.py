@@ -253,7 +253,9 @@ class SimulatedTau:
         ``gamma``, or from the drafter's probabilities); CE whatever ``objective.loss`` is, since
         the batch keeps the target's tapped features, not its distribution.
         ``val_accuracy`` is the share of counted slots whose top-1 is that token, and
-        ``val_simulated_tau`` is :meth:`measure`'s τ. Timed into the cost figure.
+        ``val_simulated_tau`` is :meth:`measure`'s τ. A drafter with a selector adds its
+        figures (``val_top_k_recall`` ..., :mod:`dflash.metrics.names`). Timed into the cost
+        figure.
         """
         began = time.perf_counter()
         slots = self._slots(drafter, log_probs=True)
@@ -267,10 +269,12 @@ class SimulatedTau:
             "val_simulated_tau": self._taus(slots["drafts"]).double().mean().item(),
         }
         if "selected" in slots:
+            oracle = self.labels.where(slots["in_top_k"], -1)  # the label wherever the K hold it
             figures |= {
                 "val_top_k_recall": self._share(slots["in_top_k"]),
                 "val_selector_accuracy": self._share(slots["selected"]),
                 "val_path_accuracy": self._share(slots["drafts"] == self.labels),
+                "val_top_k_oracle_tau": self._taus(oracle).double().mean().item(),
             }
         self.seconds += time.perf_counter() - began
         return figures
