@@ -114,7 +114,7 @@ TOYS = {
 def test_the_params_list_the_built_in_modules():
     assert plugins.names("dflash.objectives", "OBJECTIVE") == ("ce", "ce+kl", "kl")
     assert plugins.names("dflash.objectives.weights", "POSITION_WEIGHT") == ("decay", "dpace")
-    assert plugins.names("dflash.drafters", "DRAFTER") == ("dflash",)
+    assert plugins.names("dflash.drafters", "DRAFTER") == ("dflash", "dflash2")
 
 
 @pytest.mark.parametrize(("section", "key"), sorted(REGISTRIES))
