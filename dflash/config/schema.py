@@ -180,8 +180,9 @@ class DrafterConfig(Section):
     must divide the target's hidden size."""
     selector_rank: Int = Field(16, ge=1)
     """``dflash2``: rank of the selector's two codebooks over the vocabulary. 16 is an eighth
-    of the tiny target's 128 hidden channels, so the codebooks (2 x 4,096 x 16 weights) stay
-    half the size of the one-layer drafter; z-lab's 27B drafter uses 256 of 5,120."""
+    of the tiny target's 128 hidden channels, so the codebooks (2 x 4,096 x 16 = 131K weights)
+    stay about half the one-layer drafter (246K); z-lab's published config uses 256 of
+    6,656."""
     selector_top_k: Int = Field(16, ge=1)
     """``dflash2``: candidates per slot, the head's top-K that the selector rescores; at most
     the vocabulary size."""
