@@ -1,12 +1,15 @@
 """Shared fixtures: a tiny pipeline workspace built in code (corpus → … → plans).
 
-The workspace is built once per test session by running the real stage functions with tiny
+The workspace is built once per test run by running the real stage functions with tiny
 params, then copied per test, so training and evaluation tests start from real artefacts in
-seconds instead of rebuilding them.
+seconds instead of rebuilding them. The reference runs (``trained``) are made once per run too,
+and ``make test``'s pytest-xdist workers share both (:func:`built_once`).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -14,7 +17,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -32,10 +37,20 @@ from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import build_block_mask
 from dflash.model.generate import greedy_generate
 from dflash.model.objective import block_labels
+from dflash.train.checkpointing import checkpoint
 from dflash.train.checkpointing.checkpoint import CHECKPOINT_NAME
 from dflash.train.distributed.process_group import Dist, init_distributed
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most slow tests first, each file's tests in their order: under ``make
+    test``'s workers (a file at a time each) the long files start early and the short ones
+    fill in at the end, rather than one worker finishing a long file alone."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
+
 
 TINY_PARAMS = {
     "data": {
@@ -82,8 +97,10 @@ def tiny_qwen3(
     num_hidden_layers: int = 6,
     intermediate_size: int = 64,
     seed: int = 0,
+    **fields,
 ) -> Qwen3ForCausalLM:
-    """A seeded, randomly initialised Qwen3 target with 4 query and 2 key/value heads."""
+    """A seeded, randomly initialised Qwen3 target with 4 query and 2 key/value heads;
+    ``fields``: other ``Qwen3Config`` fields."""
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=vocab_size,
@@ -93,6 +110,7 @@ def tiny_qwen3(
         num_key_value_heads=2,
         head_dim=hidden_size // 4,
         intermediate_size=intermediate_size,
+        **fields,
     )
     return Qwen3ForCausalLM(config).eval()
 
@@ -112,14 +130,25 @@ def tiny_drafter(target, layers: int = 2, features: int = 2, **options) -> DFlas
 
 
 @pytest.fixture(scope="module")
-def target() -> Qwen3ForCausalLM:
-    """The model tests' target: five layers, so two features skip some."""
-    return tiny_qwen3(num_hidden_layers=5)
+def target(request) -> Qwen3ForCausalLM:
+    """A test module's own target: :func:`tiny_qwen3` of the module's ``TINY_TARGET``
+    keywords, else the model tests' five layers, so two features skip some."""
+    return tiny_qwen3(**getattr(request.module, "TINY_TARGET", {"num_hidden_layers": 5}))
 
 
 @pytest.fixture(scope="module")
 def drafter(target) -> DFlashDrafter:
     return tiny_drafter(target)
+
+
+@pytest.fixture
+def world_of_one(tmp_path) -> Iterator[Dist]:
+    """A gloo process group of this process alone: FSDP shards over one rank."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
 
 
 def drafter_grads(drafter: DFlashDrafter, loss: torch.Tensor) -> list[torch.Tensor]:
@@ -216,12 +245,32 @@ def run_stages(directory: Path, stages: list[str], overrides: list[str] = ()) ->
         os.chdir(cwd)
 
 
-@pytest.fixture(scope="session")
-def tiny_workspace_template(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("workspace")
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """The directory ``name`` that ``build(directory)`` makes once per test run. Under
+    pytest-xdist every worker shares it: the first to ask builds it, under a lock the others
+    wait on, so a reference costs the run one build however the tests are spread."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    directory, built = root / name, root / f"{name}.built"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            build(directory)
+            built.touch()
+    return directory
+
+
+def _prepare(directory: Path) -> None:
     write_workspace_inputs(directory, TINY_PARAMS)
     run_stages(directory, DATA_STAGES)
-    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_workspace_template(tmp_path_factory) -> Path:
+    """The tiny workspace after the data stages: built once per run, then only copied."""
+    return built_once(tmp_path_factory, "workspace", _prepare)
 
 
 @pytest.fixture
@@ -235,24 +284,44 @@ def tiny_workspace(tiny_workspace_template, tmp_path) -> Path:
 @pytest.fixture(scope="session")
 def trained(tiny_workspace_template, tmp_path_factory):
     """``trained(*sets)``: the tiny workspace trained by ``dflash train`` (two ranks) with
-    ``sets``, run once per session for each ``sets``. A reference that tests read, never write:
-    the same run is what several tests compare against."""
-    runs: dict[tuple[str, ...], Path] = {}
+    ``sets``, run once per test run for each ``sets`` (:func:`built_once`). A reference that
+    tests read, never write: the same run is what several tests compare against."""
+
+    def train(directory: Path, sets: tuple[str, ...]) -> None:
+        shutil.copytree(tiny_workspace_template, directory)
+        cmd = [sys.executable, "-m", "dflash.cli", "train", *(f"--set={s}" for s in sets)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            cmd, cwd=directory, env=env, capture_output=True, text=True, timeout=600
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
 
     def run(*sets: str) -> Path:
-        if sets not in runs:
-            workspace = tmp_path_factory.mktemp("trained") / "ws"
-            shutil.copytree(tiny_workspace_template, workspace)
-            cmd = [sys.executable, "-m", "dflash.cli", "train", *(f"--set={s}" for s in sets)]
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            proc = subprocess.run(
-                cmd, cwd=workspace, env=env, capture_output=True, text=True, timeout=600
-            )
-            assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
-            runs[sets] = workspace
-        return runs[sets]
+        name = "trained-" + hashlib.sha256("\n".join(sets).encode()).hexdigest()[:12]
+        return built_once(tmp_path_factory, name, lambda directory: train(directory, sets))
 
     return run
+
+
+class Interrupted(Exception):
+    """Stands for a kill right after a checkpoint is written."""
+
+
+@contextmanager
+def interrupted_after(monkeypatch, step: int) -> Iterator[None]:
+    """An in-process run in the block stops, as if killed, once checkpoint ``step`` is
+    written; after the block, runs save checkpoints as before."""
+    save = checkpoint.save_checkpoint
+
+    def save_then_die(directory, at, *args, **kwargs):
+        save(directory, at, *args, **kwargs)
+        if at == step:
+            raise Interrupted
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
+    with pytest.raises(Interrupted):
+        yield
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save)
 
 
 def survivors(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import run_stages, tiny_qwen3
+from conftest import run_stages
 from engine_server import FAULTS, StandInEngine, aux_states
 from local_server import free_port
-from test_train import final_weights
+from run_outputs import assert_same_drafter, logged
 
+from dflash import cli
 from dflash.config.schema import Config
 from dflash.errors import ConfigError
 from dflash.features import engine_client
@@ -37,6 +35,8 @@ pytest.importorskip("hs_connectors")
 
 LAYERS = [1, 3]
 """The drafter's layers of the 6-layer tiny target: outputs of layers 1 and 3."""
+TINY_TARGET = {"num_hidden_layers": 6}
+"""The module's ``target`` (conftest.py): :func:`tiny_qwen3` of these keywords."""
 CPU = Dist(0, 1, 0, torch.device("cpu"))
 WS = Workspace()
 
@@ -50,11 +50,6 @@ class Documents:
     def __getitem__(self, sample_id: int):
         ids = np.array(self.docs[sample_id], dtype=np.uint32)
         return ids, np.ones_like(ids, dtype=np.uint8)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_qwen3()
 
 
 @pytest.fixture
@@ -351,33 +346,10 @@ def test_engine_params_are_checked(tmp_path):
 
 
 # ------------------------------------------------------------------ training end to end
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-
-
 def train(workspace: Path, *overrides: str) -> dict:
-    cmd = [sys.executable, "-m", "dflash.cli", "train", *(f"--set={o}" for o in overrides)]
-    proc = subprocess.run(cmd, cwd=workspace, env=ENV, capture_output=True, text=True)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    """``dflash train`` on one rank, which trains in the launching process: here, this one."""
+    run_stages(workspace, ["train"], overrides)
     return json.loads((workspace / WS.train_details).read_text())
-
-
-def logged(workspace: Path, column: str) -> list[float]:
-    import csv
-
-    rows = csv.DictReader(open(workspace / "plots/train/log.csv"))
-    return [float(r[column]) for r in rows if r[column] != ""]
-
-
-def losses(workspace: Path) -> list[float]:
-    return logged(workspace, "loss")
-
-
-def same_drafter(a: Path, b: Path) -> None:
-    assert losses(b) == pytest.approx(losses(a), abs=1e-6, rel=0)
-    wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys()
-    for name in wa:
-        torch.testing.assert_close(wb[name], wa[name], atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow
@@ -404,7 +376,7 @@ def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_dr
     states = served / WS.hidden_states  # the client's directory in that workspace
     with StandInEngine(target, engine_layer_ids(LAYERS), states) as engine:
         details = train(served, "train.topology=engine", f"engine.endpoints=[{engine.url}]")
-    same_drafter(base, served)
+    assert_same_drafter(base, served)
     assert details["target_forwards"] == engine.requests > 0
 
     run_stages(files, ["capture"], ["train.features=files"])
@@ -412,7 +384,7 @@ def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_dr
     assert info["bytes_per_token"] == 2 * 32 * 4 + 8 and info["samples"] > 0
     assert info["simulated_tau"] and not info["last_hidden_state"]
     details = train(files, "train.features=files")
-    same_drafter(base, files)
+    assert_same_drafter(base, files)
     assert details["target_forwards"] == 0
     tau = logged(base, "simulated_tau")
     assert tau and logged(files, "simulated_tau") == pytest.approx(tau, abs=1e-9, rel=0)
@@ -429,7 +401,9 @@ def test_training_from_the_engine_and_from_capture_files_trains_the_colocated_dr
 
 
 @pytest.mark.slow
-def test_kl_from_capture_files_trains_the_colocated_kl_drafter(tiny_workspace_template, tmp_path):
+def test_kl_from_capture_files_trains_the_colocated_kl_drafter(
+    tiny_workspace_template, tmp_path, monkeypatch, capsys
+):
     base = tmp_path / "colocated"
     shutil.copytree(tiny_workspace_template, base)
     params = yaml.safe_load((base / "params.yaml").read_text())
@@ -442,13 +416,13 @@ def test_kl_from_capture_files_trains_the_colocated_kl_drafter(tiny_workspace_te
     train(base)
 
     run_stages(files, ["capture"], ["train.features=files", "objective.loss=ce"])
-    cmd = [sys.executable, "-m", "dflash.cli", "train", "--set=train.features=files"]
-    refused = subprocess.run(cmd, cwd=files, env=ENV, capture_output=True, text=True)
-    assert refused.returncode == 2, refused.stderr[-2000:]
-    assert "objective.loss" in refused.stderr and "dflash capture" in refused.stderr
+    monkeypatch.chdir(files)
+    assert cli.main(["train", "--set=train.features=files"]) == 2
+    refused = capsys.readouterr().err
+    assert "objective.loss" in refused and "dflash capture" in refused, refused[-2000:]
 
     run_stages(files, ["capture"], ["train.features=files"])
     info = json.loads((files / WS.features / MANIFEST).read_text())
     assert info["last_hidden_state"] and info["bytes_per_token"] == 3 * 32 * 4 + 8
     assert train(files, "train.features=files")["target_forwards"] == 0
-    same_drafter(base, files)
+    assert_same_drafter(base, files)

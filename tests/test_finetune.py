@@ -3,14 +3,13 @@ a checkpoint made for another target or other params stops the run before any tr
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import run_stages, tiny_qwen3
+from run_outputs import losses
 
 from dflash import cli
 from dflash.model.drafter import DFlashDrafter
@@ -19,10 +18,6 @@ from dflash.model.export import export_drafter
 SHORT = ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1000",
          "batching.token_budget=1536", "batching.max_batch_size=32"]  # fmt: skip
 """One rank, one epoch of a few large steps: seconds on two CPU cores."""
-
-
-def losses(workspace: Path) -> list[float]:
-    return [float(row["loss"]) for row in csv.DictReader(open(workspace / "plots/train/log.csv"))]
 
 
 @pytest.mark.slow

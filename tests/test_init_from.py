@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_qwen3
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
@@ -37,6 +36,8 @@ LAYERS = {
     "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
 }  # fmt: skip
 """A tiny drafter for ``tiny_qwen3`` (hidden 32, vocab 300, 6 layers)."""
+TINY_TARGET = {"num_hidden_layers": 6}
+"""The module's ``target`` (conftest.py): :func:`tiny_qwen3` of these keywords."""
 IDS, MASK, BLOCK = [1, 3], 299, 4
 TARGET = TargetShape(depth=6, hidden_size=32, vocab_size=300, mask_token_id=MASK, mask_token="m")
 
@@ -103,11 +104,6 @@ class ZLabDraftModel(nn.Module):
         for layer in self.layers:
             x = layer(x, context, cos, sin)
         return self.norm(x)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_qwen3()
 
 
 @pytest.fixture(scope="module")

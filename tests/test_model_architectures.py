@@ -250,16 +250,6 @@ def test_agreed_calls_change_no_feature():
     assert len(calls) == 3  # two extra, then the one length class of 9, 14 and 7 tokens
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A gloo process group of this process alone: FSDP shards over one rank."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss"])
 def test_a_sharded_target_is_judged_and_exact_alike(name, world_of_one, monkeypatch):
     """FSDP2 renames the layers' classes; the verdict and the features stay, and a hybrid

@@ -28,13 +28,8 @@ from dflash.model.export import (
 
 FIXTURE = Path(__file__).parent / "fixtures" / "zlab_qwen3_8b_dflash_b16_config.json"
 """The keys of z-lab's public Qwen3-8B-DFlash-b16 ``config.json``, written by hand from it."""
-
-
-@pytest.fixture(scope="module")
-def target():
-    model = tiny_qwen3()
-    model.config.max_position_embeddings = 512
-    return model
+TINY_TARGET = {"num_hidden_layers": 6, "max_position_embeddings": 512}
+"""The module's ``target`` (conftest.py): :func:`tiny_qwen3` of these keywords."""
 
 
 def test_config_has_every_key_of_the_public_zlab_config(target, tmp_path):

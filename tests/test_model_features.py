@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_qwen3
 
 from dflash.features.target_forward import decoder_layers, one_document_per_row, target_features
 from dflash.model import target_attention
@@ -13,11 +12,8 @@ from dflash.model.shipped import select_features
 from dflash.model.target_attention import NAME, DocumentLayout, document_classes, tile_keys
 
 LAYERS = [1, 3]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_qwen3(num_hidden_layers=6)
+TINY_TARGET = {"num_hidden_layers": 6}
+"""The module's ``target`` (conftest.py): :func:`tiny_qwen3` of these keywords."""
 
 
 def reference_features(target, ids, pos, docs, layer_ids):

@@ -18,11 +18,8 @@ from dflash.model.objective import dflash_objective
 BS = 4
 MASK = 299
 PROMPTS = [[5], [1, 2, 3], [40, 41, 42, 43, 44, 45], [7, 250, 7, 250, 7]]
-
-
-@pytest.fixture(scope="module")
-def target() -> Qwen3ForCausalLM:
-    return tiny_qwen3(hidden_size=48, intermediate_size=96)
+TINY_TARGET = {"hidden_size": 48, "intermediate_size": 96}
+"""The module's ``target`` (conftest.py): :func:`tiny_qwen3` of these keywords."""
 
 
 def new_drafter(target, seed: int = 0) -> DFlashDrafter:

@@ -4,6 +4,7 @@ layer options (sliding-window and causal layers)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -13,9 +14,11 @@ from conftest import (
     assert_drafts_losslessly,
     dense_blocks,
     drafter_grads,
+    interrupted_after,
+    run_stages,
     tiny_drafter,
 )
-from test_train import assert_kill_and_resume_is_bitwise
+from run_outputs import final_weights
 from transformers import AutoModel
 
 from dflash.config.schema import ObjectiveConfig
@@ -357,15 +360,32 @@ def test_drafter_layer_params_are_checked():
 
 
 @pytest.mark.slow
-def test_kl_dpace_and_sliding_window_train_and_resume_exactly(tiny_workspace, trained):
-    """Killed after a checkpoint and resumed, a run with the options ends bitwise where an
-    uninterrupted one does."""
-    knobs = (
-        "train.checkpoint_every=1",
+def test_kl_dpace_and_sliding_window_train_and_resume_exactly(
+    tiny_workspace, tmp_path, monkeypatch, capsys
+):
+    """Stopped after a checkpoint and resumed, a run with the options ends bitwise where an
+    uninterrupted one does. In process, on one rank: what a real SIGKILL of two ranks leaves
+    behind is test_train.py's to prove, for every option alike."""
+    sets = [
+        "train.world_size=1",
+        "train.epochs=1",
+        "train.checkpoint_every=3",
         "objective.loss=ce+kl",
         "objective.position_weight=dpace",
         "drafter.layer_types=[sliding_attention]",
         "drafter.sliding_window=8",
         "drafter.causal=true",
-    )
-    assert_kill_and_resume_is_bitwise(tiny_workspace, trained(*knobs), *knobs)
+    ]
+    run_stages(tiny_workspace, ["plan"], sets)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tiny_workspace, resumed)
+    run_stages(tiny_workspace, ["train"], sets)
+    with interrupted_after(monkeypatch, 3):
+        run_stages(resumed, ["train"], sets)
+    capsys.readouterr()
+    run_stages(resumed, ["train"], sets)
+    assert "(global step 3)" in capsys.readouterr().out.partition("resumed at")[2]
+    whole, again = final_weights(tiny_workspace), final_weights(resumed)
+    assert whole.keys() == again.keys()
+    for name in whole:
+        assert torch.equal(whole[name], again[name]), name

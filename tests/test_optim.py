@@ -8,13 +8,12 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_stages, tiny_qwen3
+from conftest import interrupted_after, run_stages, tiny_drafter, tiny_qwen3
 from safetensors.torch import load_file
 
 from dflash.config.params import load_config
 from dflash.config.schema import TrainConfig
 from dflash.errors import ConfigError
-from dflash.model.drafter import DFlashDrafter
 from dflash.train.checkpointing import checkpoint
 from dflash.train.checkpointing.dcp_safe import SafeReader
 from dflash.train.optim import Optimization, decay_steps, muon_split, warmup_steps
@@ -81,15 +80,8 @@ def test_default_schedule_is_transformers_cosine_with_the_ratio_rounded_up():
     assert rates(TrainConfig(lr=PEAK)) == expected  # bitwise: the default run is unchanged
 
 
-def tiny_drafter() -> DFlashDrafter:
-    target = tiny_qwen3()
-    return DFlashDrafter.from_target(
-        target, block_size=4, num_hidden_layers=2, num_target_features=2, mask_token_id=0
-    )
-
-
 def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(tiny_qwen3(), mask_token_id=0)
     muon, adamw = muon_split(drafter)
     names = {id(p): n for n, p in drafter.named_parameters()}
     assert muon and all(p.ndim == 2 and names[id(p)].startswith("layers.") for p in muon)
@@ -102,7 +94,7 @@ def test_muon_takes_the_layers_matrices_and_adamw_the_rest():
 
 
 def test_muon_steps_follow_the_schedule():
-    drafter = tiny_drafter()
+    drafter = tiny_drafter(tiny_qwen3(), mask_token_id=0)
     optim = Optimization.build(drafter, TrainConfig(optimizer="muon", lr=PEAK), 10, fused=False)
     for _ in range(3):
         optim.schedule_step()
@@ -121,10 +113,6 @@ def test_refused_combinations_name_the_key(sets, key):
         load_config("params.yaml", sets)
 
 
-class Interrupted(Exception):
-    """Stands for a kill right after a checkpoint is written."""
-
-
 @pytest.mark.slow
 def test_muon_trains_and_resumes_exactly(tiny_workspace, tmp_path, monkeypatch, capsys):
     sets = ["train.world_size=1", "train.epochs=1", "train.checkpoint_every=1"]
@@ -135,21 +123,12 @@ def test_muon_trains_and_resumes_exactly(tiny_workspace, tmp_path, monkeypatch, 
     run_stages(tiny_workspace, ["train"], sets)
     whole = load_file(tiny_workspace / "models/drafter/model.safetensors")
 
-    save = checkpoint.save_checkpoint
-
-    def save_then_die(directory, step, *args, **kwargs):
-        save(directory, step, *args, **kwargs)
-        if step == 3:
-            raise Interrupted
-
-    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
-    with pytest.raises(Interrupted):
+    with interrupted_after(monkeypatch, 3):
         run_stages(resumed, ["train"], sets)
     (run,) = checkpoint.run_directories(resumed / "checkpoints")
     index = SafeReader(checkpoint.list_checkpoints(run)[0]).read_metadata().state_dict_metadata
     assert any("momentum_buffer" in key for key in index), "Muon's state is checkpointed"
     capsys.readouterr()
-    monkeypatch.setattr(checkpoint, "save_checkpoint", save)
     run_stages(resumed, ["train"], sets)
     assert "resumed at epoch 0 step 3" in capsys.readouterr().out
     again = load_file(resumed / "models/drafter/model.safetensors")

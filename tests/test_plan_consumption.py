@@ -51,34 +51,36 @@ def placements(step: int, micro_batches) -> list[tuple]:
 
 @pytest.mark.parametrize("strategy", ["sorted", "shuffle", "bucketed", "packed"])
 def test_each_rank_consumes_exactly_its_plan_rows_in_order(tmp_path, strategy):
+    """Through a rank's loader as training builds it: one loader for every epoch, its
+    workers (packed: two) kept from one epoch to the next."""
     lengths = np.random.default_rng(1).integers(5, 40, 90).astype(np.int32)
     boundaries = tuple(optimal_boundaries(lengths, 3)) if strategy == "bucketed" else None
     params = PlanParams(strategy, 160, 48, 4, WORLD, ACCUM, seed=3, boundaries=boundaries)
     write_plans(lengths, params, EPOCHS, tmp_path)
-    store = CodedStore(lengths)
+    builder = StepBuilder(
+        CodedStore(lengths), block_size=4, anchors_per_sequence=2, gamma=7.0, seed=0
+    )
     columns = ["step", "micro", "row", "offset", "sample_id", "length"]
-    for epoch in range(EPOCHS):
-        path = epoch_path(tmp_path, epoch)
-        plan = pq.read_table(path).to_pydict()
-        rows = list(zip(plan["rank"], *(plan[c] for c in columns), strict=True))
-        consumed = []
-        for rank in range(WORLD):
-            steps = read_rank_plan(path, rank)
-            dataset = StepDataset(
-                store, steps, first_step=0, block_size=4, anchors_per_sequence=2,
-                gamma=7.0, seed=0, epoch=epoch,
-            )  # fmt: skip
-            workers = 2 if strategy == "packed" else 0  # order must survive worker processes
+    plans = [pq.read_table(epoch_path(tmp_path, epoch)).to_pydict() for epoch in range(EPOCHS)]
+    rows = [list(zip(p["rank"], *(p[c] for c in columns), strict=True)) for p in plans]
+    consumed: list[list[int]] = [[] for _ in range(EPOCHS)]
+    for rank in range(WORLD):
+        planned = PlannedSteps()
+        workers = 2 if strategy == "packed" else 0  # order must survive worker processes
+        loader = make_loader(builder, workers, 2, False, sampler=planned)
+        for epoch in range(EPOCHS):
+            planned.set_epoch(epoch, read_rank_plan(epoch_path(tmp_path, epoch), rank), 0)
             got = []
-            for step, micro_batches in enumerate(make_loader(dataset, workers, 2, False)):
+            for step, micro_batches in enumerate(loader):
                 assert len(micro_batches) == ACCUM
                 got += placements(step, micro_batches)
-            planned = [row[1:] for row in rows if row[0] == rank]
-            assert got == planned, f"rank {rank} epoch {epoch}"
-            consumed += [sample for *_, sample, _ in got]
-        assert sorted(consumed) == list(range(len(lengths))), "each sample once per epoch"
-        if strategy == "packed":
-            keys = [row[:4] for row in rows]
+            assert got == [row[1:] for row in rows[epoch] if row[0] == rank], (rank, epoch)
+            consumed[epoch] += [sample for *_, sample, _ in got]
+    for samples in consumed:
+        assert sorted(samples) == list(range(len(lengths))), "each sample once per epoch"
+    if strategy == "packed":
+        for epoch_rows in rows:
+            keys = [row[:4] for row in epoch_rows]
             assert len(set(keys)) < len(keys), "no packed row holds several documents"
 
 

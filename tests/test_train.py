@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import run_stages
 from hold import Hold, held
-from safetensors.torch import load_file
+from run_outputs import final_weights
 
 from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import read_plan_meta, read_rank_plan
@@ -55,10 +55,6 @@ def kill_tree(pid: int) -> None:
     parent = psutil.Process(pid)
     for process in [parent, *parent.children(recursive=True)]:
         process.send_signal(signal.SIGKILL)
-
-
-def final_weights(workspace: Path) -> dict[str, torch.Tensor]:
-    return load_file(workspace / "models/drafter/model.safetensors")
 
 
 def test_micro_batch_weight_sum_matches_objective(tiny_workspace, monkeypatch):
@@ -181,7 +177,7 @@ def test_two_processes_match_one_process_on_the_first_step(tiny_workspace, train
     two += read_rank_plan(two_ranks / "data/plans/epoch_000.parquet", 1)[0]
     loss_two = float(next(csv.DictReader(open(two_ranks / "plots/train/log.csv")))["loss"])
 
-    single = ["train.world_size=1", "train.grad_accum=2", "train.epochs=1"]
+    single = ["train.world_size=1", "train.grad_accum=2", "train.epochs=1", "train.max_steps=1"]
     run_stages(tiny_workspace, ["plan"], single)
     one = read_rank_plan(tiny_workspace / "data/plans/epoch_000.parquet", 0)[0]
     as_set = lambda mbs: sorted(sorted(s for row in mb for s, _, _ in row) for mb in mbs)  # noqa: E731

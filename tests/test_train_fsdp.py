@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import csv
-
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import gloo_rank, leave_gloo, spawn_ranks, tiny_qwen3
+from run_outputs import final_weights, losses
 from safetensors.torch import load_file
-from test_train import final_weights
 
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.load import load_target, load_target_shards, shard_start
@@ -21,16 +18,6 @@ from dflash.train.distributed.parallel import (
     wrap_drafter,
 )
 from dflash.train.distributed.process_group import Dist, from_rank_zero
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A gloo process group of this process alone: FSDP shards over one rank."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    finally:
-        dist.destroy_process_group()
 
 
 def dtypes_seen(ctx: Dist, parallelism: str) -> dict[str, torch.dtype]:
@@ -75,10 +62,6 @@ def test_fsdp_computes_in_the_dtypes_of_ddp(world_of_one):
     assert fsdp == ddp
     assert ddp["residual 1"] == ddp["rope 0"] == ddp["norm weight 1"] == torch.float32
     assert {d for n, d in ddp.items() if n.startswith(("parameter", "gradient"))} == {torch.float32}
-
-
-def losses(workspace) -> list[float]:
-    return [float(row["loss"]) for row in csv.DictReader(open(workspace / "plots/train/log.csv"))]
 
 
 @pytest.mark.slow

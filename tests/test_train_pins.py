@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import csv
 import json
 
 import pytest
 from conftest import run_stages
+from run_outputs import losses
 from test_train import torchrun
 
 from dflash.batching.io import read_rank_plan
-
-
-def losses(workspace) -> list[float]:
-    with open(workspace / "plots/train/log.csv") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f)]
 
 
 def step_samples(workspace, world: int, step: int) -> list[list[int]]:
