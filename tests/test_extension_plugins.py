@@ -92,7 +92,7 @@ def build(d, target, tokenizer, seed):
     )
 
 
-def start_from(checkpoint, depth, mask_token, target):
+def start_from(d, checkpoint, depth, mask_token, target):
     config = checkpoint.drafter_config(depth, mask_token)
     return ToyDrafter.from_weights(config, checkpoint_weights(checkpoint), target)
 

@@ -30,8 +30,8 @@ class Family:
     build: Callable[[DrafterConfig, nn.Module, Any, int], nn.Module]
     """``(drafter params, target, tokenizer, seed)``: a freshly initialised drafter (seeded,
     global RNG untouched) on the target's device, masking with the tokenizer's mask token."""
-    start_from: Callable[[Checkpoint, int, str | None, nn.Module], nn.Module]
-    """``(checkpoint, target depth, mask token, target)``: the drafter holding a checked
-    checkpoint's weights."""
+    start_from: Callable[[DrafterConfig, Checkpoint, int, str | None, nn.Module], nn.Module]
+    """``(drafter params, checkpoint, target depth, mask token, target)``: the drafter holding a
+    checked checkpoint's weights (the params size what the checkpoint lacks)."""
     load: Callable[[Path, nn.Module], nn.Module]
     """``(export directory, target)``: the drafter an export of this family holds."""

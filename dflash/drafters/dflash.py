@@ -25,7 +25,7 @@ def build(d: DrafterConfig, target: nn.Module, tokenizer: Any, seed: int) -> DFl
 
 
 def start_from(
-    checkpoint: Checkpoint, depth: int, mask_token: str | None, target: nn.Module
+    d: DrafterConfig, checkpoint: Checkpoint, depth: int, mask_token: str | None, target: nn.Module
 ) -> DFlashDrafter:
     config = checkpoint.drafter_config(depth, mask_token)
     return DFlashDrafter.from_weights(config, checkpoint_weights(checkpoint), target)

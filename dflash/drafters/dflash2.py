@@ -12,8 +12,13 @@ from torch import nn
 from dflash.config.schema import DrafterConfig
 from dflash.drafters import Family
 from dflash.errors import ConfigError
-from dflash.model.dflash2_drafter import ARCHITECTURE, DFlash2Drafter, DFlash2Sizes
-from dflash.model.imported import Checkpoint
+from dflash.model.dflash2_drafter import (
+    ARCHITECTURE,
+    DFlash2Drafter,
+    DFlash2Sizes,
+    dflash2_config,
+)
+from dflash.model.imported import Checkpoint, checkpoint_weights
 
 
 def sizes(d: DrafterConfig) -> DFlash2Sizes:
@@ -55,14 +60,16 @@ def build(d: DrafterConfig, target: nn.Module, tokenizer: Any, seed: int) -> DFl
 
 
 def start_from(
-    checkpoint: Checkpoint, depth: int, mask_token: str | None, target: nn.Module
+    d: DrafterConfig, checkpoint: Checkpoint, depth: int, mask_token: str | None, target: nn.Module
 ) -> DFlash2Drafter:
-    """Not offered: the family's start receives no drafter params, so the DFlash 2 sizes a
-    DFlash checkpoint would be upgraded with are unknown here."""
-    raise ConfigError(
-        f"drafter.init_from = {str(checkpoint.path)!r} with drafter.family = dflash2: starting "
-        "a DFlash 2 drafter from a checkpoint is not supported yet; set drafter.init_from: null"
-    )
+    """A DFlash 2 checkpoint's drafter, every weight loaded; or a DFlash one upgraded with the
+    params' sizes (convs the identity, pair term 0), which computes that drafter's logits."""
+    config = checkpoint.drafter_config(depth, mask_token)
+    check_sizes(d, config.hidden_size, config.vocab_size)
+    if checkpoint.dflash2 is not None:
+        return DFlash2Drafter.from_weights(config, checkpoint_weights(checkpoint), target)
+    upgraded = dflash2_config(config, sizes(d))
+    return DFlash2Drafter.from_dflash(upgraded, checkpoint_weights(checkpoint), target)
 
 
 DRAFTER = Family(

@@ -11,6 +11,11 @@ tapped layers ``aux_hidden_state_layer_ids``, counted from the embedding (vLLM's
 the drafter borrows instead. Anything the trainer's drafter would compute differently (biased
 projections, sliding-window layers, scaled rope, a reduced draft vocabulary) is refused, so an
 import is exact or it is an error.
+
+A DFlash 2 checkpoint is one of these that names the four DFlash 2 sizes (z-lab: in
+``dflash_config``, else at the top; speculators: ``speculators_model_type: dflash2``, the sizes at
+the top with speculators' defaults) and holds the conv and selector weights of
+:mod:`dflash.model.dflash2_weights`, in any spelling ``import_weights`` reads.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from transformers import AutoConfig
 from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.model import hf_files, shipped
+from dflash.model.dflash2_weights import dflash2_shapes, import_weights
 from dflash.model.layer_ids import drafter_layer_ids
 from dflash.model.layer_ids import target_layer_ids as spread_layer_ids
 from dflash.model.shipped import DFlashDraftConfig
@@ -39,6 +45,12 @@ KEY = "drafter.init_from"
 
 SPECULATORS_TYPE = "dflash"
 """``speculators_model_type`` of a speculators DFlash checkpoint."""
+SPECULATORS_DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                       "selector_top_k": 16}  # fmt: skip
+"""The DFlash 2 sizes and the defaults speculators' ``dflash2`` config gives them."""
+SERVED_AS_TRAINED = {"output_multiplier": (1, 1.0), "final_logit_softcapping": (0, 0.0),
+                     "input_embedding_scale": (1, 1.0)}  # fmt: skip
+"""z-lab's logit and embedding transforms, and the values the trainer's drafter computes with."""
 SPECULATORS_DEFAULT_BLOCK = 8
 """The block size speculators' config assumes when its file names none."""
 MIN_BLOCK = next(m.ge for m in DrafterConfig.model_fields["block_size"].metadata
@@ -70,6 +82,8 @@ class Checkpoint:
     mask_token: str | None
     num_target_layers: int | None
     """The target's depth, where the file records it."""
+    dflash2: dict[str, int] | None = None
+    """A DFlash 2 checkpoint's four sizes (:data:`SPECULATORS_DFLASH2`'s keys); None for DFlash."""
 
     def fail(self, why: str) -> ConfigError:
         return ConfigError(f"{KEY} = {str(self.path)!r} ({self.format}): {why}")
@@ -79,6 +93,7 @@ class Checkpoint:
         dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids}
         if (self.mask_token or mask_token) is not None:
             dflash["mask_token"] = self.mask_token or mask_token
+        dflash |= self.dflash2 or {}
         return DFlashDraftConfig(
             **self.layers,
             block_size=self.block_size,
@@ -194,14 +209,37 @@ def _zlab(path: Path, data: dict) -> Checkpoint:
     if ids is None:  # z-lab's reference spreads one tapped layer per drafter layer
         ids = spread_layer_ids(depth, layers["num_hidden_layers"])
     ids = _ids(where, "dflash_config.target_layer_ids", ids)
-    return Checkpoint(path, "z-lab", layers, block, ids, mask, dflash.get("mask_token"), depth)
+    sizes = _zlab_dflash2(where, data, dflash)
+    return Checkpoint(
+        path, "z-lab", layers, block, ids, mask, dflash.get("mask_token"), depth, sizes
+    )
+
+
+def _zlab_dflash2(where: str, data: dict, dflash: dict) -> dict[str, int] | None:
+    """The DFlash 2 sizes of a z-lab config (``dflash_config`` first, as the engines read
+    them), None where it names none; one naming some but not all, or a logit or embedding
+    transform the trainer's drafter lacks, is refused."""
+    found = {k: dflash.get(k, data.get(k)) for k in SPECULATORS_DFLASH2}
+    if all(v is None for v in found.values()):
+        return None
+    missing = [k for k, v in found.items() if v is None]
+    if missing:
+        raise ConfigError(f"{where}: {hf_files.CONFIG} names some DFlash 2 sizes but not "
+                          f"dflash_config.{', dflash_config.'.join(missing)}")  # fmt: skip
+    for key, plain in SERVED_AS_TRAINED.items():
+        value = dflash.get(key, data.get(key))
+        if value is not None and value not in plain:
+            raise ConfigError(f"{where}: {key} = {value!r}; the trainer's DFlash 2 drafter has "
+                              f"{plain[0]!r} only")  # fmt: skip
+    return {k: _whole(where, f"dflash_config.{k}", v, 1) for k, v in found.items()}
 
 
 def _speculators(path: Path, data: dict) -> Checkpoint:
     where = f"{KEY} = {str(path)!r} (speculators)"
     kind = data.get("speculators_model_type")
-    if kind != SPECULATORS_TYPE:
-        raise ConfigError(f"{where}: speculators_model_type = {kind!r}, not {SPECULATORS_TYPE!r}")
+    if kind not in (SPECULATORS_TYPE, "dflash2"):
+        raise ConfigError(f"{where}: speculators_model_type = {kind!r}, not {SPECULATORS_TYPE!r} "
+                          "or 'dflash2'")  # fmt: skip
     layers = _layers(path, "speculators", _object(where, data, "transformer_layer_config"))
     variants = {
         "projector_type": (data.get("projector_type", "dflash"), "dflash"),
@@ -229,7 +267,10 @@ def _speculators(path: Path, data: dict) -> Checkpoint:
         block = SPECULATORS_DEFAULT_BLOCK
     block = _whole(where, "block_size", block, MIN_BLOCK, BLOCK_WHY)
     ids = drafter_layer_ids(aux)  # counted from the embedding, as vLLM counts
-    return Checkpoint(path, "speculators", layers, block, ids, mask, None, None)
+    sizes = None
+    if kind == "dflash2":
+        sizes = {k: _whole(where, k, data.get(k, v), 1) for k, v in SPECULATORS_DFLASH2.items()}
+    return Checkpoint(path, "speculators", layers, block, ids, mask, None, None, sizes)
 
 
 def weight_files(checkpoint: Checkpoint) -> list[Path]:
@@ -253,6 +294,17 @@ def _drafter_name(name: str) -> bool:
     return name not in TARGET_OWNED and name not in VOCAB_MAPS
 
 
+def _named(checkpoint: Checkpoint, stored: dict[str, Any]) -> dict[str, Any]:
+    """A DFlash 2 checkpoint's ``stored`` entries under the drafter's names (``import_weights``'s
+    spellings); a DFlash one's as they are."""
+    if checkpoint.dflash2 is None:
+        return stored
+    try:
+        return import_weights(stored)
+    except ValueError as err:
+        raise checkpoint.fail(f"its weights name one twice: {err}") from None
+
+
 @contextmanager
 def _opened(checkpoint: Checkpoint, file: Path) -> Iterator[Any]:
     """``file`` opened with ``safe_open``; one that is missing, cut short or no safetensors
@@ -270,9 +322,13 @@ def check_weights(checkpoint: Checkpoint, depth: int) -> None:
     for file in weight_files(checkpoint):
         with _opened(checkpoint, file) as f:
             shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if _drafter_name(k)}
+    shapes = _named(checkpoint, shapes)
+    config = checkpoint.drafter_config(depth, None)
     with torch.device("meta"):
-        model = shipped.DFlashDraftModel(checkpoint.drafter_config(depth, None))
+        model = shipped.DFlashDraftModel(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if checkpoint.dflash2 is not None:
+        expected |= dflash2_shapes(config)
     missing, extra = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
     wrong = [f"{k} {shapes[k]} (expected {expected[k]})" for k in expected.keys() & shapes.keys()
              if shapes[k] != expected[k]]  # fmt: skip
@@ -305,5 +361,6 @@ def check_finite(checkpoint: Checkpoint) -> None:
 
 
 def checkpoint_weights(checkpoint: Checkpoint) -> dict[str, Tensor]:
-    """The drafter's own weights, as stored and finite (the target's copies are left out)."""
-    return dict(_tensors(checkpoint))
+    """The drafter's own weights, as stored and finite (the target's copies are left out),
+    under the drafter's names."""
+    return _named(checkpoint, dict(_tensors(checkpoint)))

@@ -5,6 +5,10 @@ The checkpoint decides the drafter's shape. A ``drafter.*`` param set to another
 error naming both; one left null follows the checkpoint. ``block_size`` is never null: tokenize
 and plan use it before training, so it must already be the checkpoint's. Where each value came
 from is recorded for ``dflash report``.
+
+A DFlash 2 checkpoint starts only ``drafter.family: dflash2``, and its four DFlash 2 sizes are
+the drafter's: a ``drafter.*`` size set to another value is an error naming both. A DFlash
+checkpoint starts either family; ``dflash2`` upgrades it with the params' sizes.
 """
 
 from __future__ import annotations
@@ -18,8 +22,17 @@ from torch import nn
 from dflash.config.schema import DrafterConfig
 from dflash.errors import ConfigError
 from dflash.model.families import family
-from dflash.model.imported import Checkpoint, check_finite, check_weights, read_checkpoint
+from dflash.model.imported import (
+    SPECULATORS_DFLASH2,
+    Checkpoint,
+    check_finite,
+    check_weights,
+    read_checkpoint,
+)
 from dflash.model.layer_ids import target_layer_ids
+
+DFLASH2_SIZES = tuple(SPECULATORS_DFLASH2)
+"""The ``drafter.*`` sizes a DFlash 2 checkpoint fixes."""
 
 
 @dataclass(frozen=True)
@@ -56,9 +69,31 @@ def provenance(d: DrafterConfig, checkpoint: Checkpoint | None) -> dict[str, str
                 f"{value!r}{fix}"
             )
         sources[key] = f"{value} ({'checkpoint' if param is None else 'params = checkpoint'})"
+    sources |= _dflash2_sources(d, checkpoint)
     sources["target_layer_ids"] = f"{checkpoint.target_layer_ids} (checkpoint)"
     sources["mask_token_id"] = f"{checkpoint.mask_token_id} (checkpoint)"
     return sources
+
+
+def _dflash2_sources(d: DrafterConfig, checkpoint: Checkpoint) -> dict[str, str]:
+    """The DFlash 2 sizes' provenance; raises for a DFlash 2 checkpoint under another family or
+    a size that disagrees with it."""
+    sizes = checkpoint.dflash2
+    if sizes is not None and d.family != "dflash2":
+        raise checkpoint.fail(
+            f"a DFlash 2 drafter, and drafter.family = {d.family!r}: set drafter.family: dflash2"
+        )
+    if d.family != "dflash2":
+        return {}
+    if sizes is None:
+        return {key: f"{getattr(d, key)} (params)" for key in DFLASH2_SIZES}
+    for key, value in sizes.items():
+        if getattr(d, key) != value:
+            raise checkpoint.fail(
+                f"drafter.{key} = {getattr(d, key)!r} but the checkpoint has {value!r}: set it "
+                f"to {value!r}"
+            )
+    return {key: f"{value} (params = checkpoint)" for key, value in sizes.items()}
 
 
 def check_target(checkpoint: Checkpoint, target: TargetShape) -> None:
@@ -123,7 +158,7 @@ def build_drafter(
     kind = family(d.family)
     if checkpoint is None:
         return kind.build(d, target, tokenizer, seed), sources
-    drafter = kind.start_from(checkpoint, shape.depth, tokenizer.mask_token, target)
+    drafter = kind.start_from(d, checkpoint, shape.depth, tokenizer.mask_token, target)
     return drafter, sources | {"init_from": f"{checkpoint.path} ({checkpoint.format})"}
 
 
