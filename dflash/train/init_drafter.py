@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from dflash.config.schema import DrafterConfig
+from dflash.drafters.dflash2 import check_sizes
 from dflash.errors import ConfigError
 from dflash.model.families import family
 from dflash.model.imported import (
@@ -85,7 +86,8 @@ def _dflash2_sources(d: DrafterConfig, checkpoint: Checkpoint) -> dict[str, str]
         )
     if d.family != "dflash2":
         return {}
-    if sizes is None:
+    if sizes is None:  # an upgrade: the params size it, for the checkpoint's target
+        check_sizes(d, checkpoint.layers["hidden_size"], checkpoint.layers["vocab_size"])
         return {key: f"{getattr(d, key)} (params)" for key in DFLASH2_SIZES}
     for key, value in sizes.items():
         if getattr(d, key) != value:
