@@ -97,6 +97,7 @@ def test_a_dflash2_checkpoint_loads_every_weight(target, tmp_path, layout):
     want, got = trained.state_dict(), drafter.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert sources["selector_top_k"] == f"{SIZES.selector_top_k} (params = checkpoint)"
+    assert isinstance(drafter, DFlash2Drafter) and drafter.sizes() == SIZES
     assert torch.equal(_logits(drafter), _logits(trained))
 
 
