@@ -22,11 +22,12 @@ repro: setup
 	$(BIN)/dvc repro
 	$(BIN)/dflash report
 
+# Two pytest-xdist workers, a test file each at a time (its module fixtures built once).
 test: setup
-	$(BIN)/pytest -q --durations=15
+	$(BIN)/pytest -q --durations=15 -n 2 --dist loadfile
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -m "not slow" -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check .
