@@ -41,6 +41,10 @@ from dflash.train.checkpointing import checkpoint
 from dflash.train.checkpointing.checkpoint import CHECKPOINT_NAME
 from dflash.train.distributed.process_group import Dist, init_distributed
 
+# One CPU thread per process, this one too: a stage run in process sets torch's threads from
+# OMP_NUM_THREADS (dflash/threads.py), and a process's two threads on cores shared with other
+# work wait on each other (a one-rank training in process ran 5x slower with two).
+os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
 
