@@ -35,3 +35,14 @@ class Family:
     checked checkpoint's weights (the params size what the checkpoint lacks)."""
     load: Callable[[Path, nn.Module], nn.Module]
     """``(export directory, target)``: the drafter an export of this family holds."""
+
+
+def from_target_options(d: DrafterConfig, tokenizer: Any, seed: int) -> dict[str, Any]:
+    """The drafter params and tokenizer facts every family's ``from_target`` takes, named once
+    so that families seeded alike start from the same DFlash weights."""
+    return dict(
+        block_size=d.block_size, num_hidden_layers=d.num_hidden_layers,
+        num_target_features=d.num_target_features, mask_token_id=tokenizer.mask_token_id,
+        mask_token=tokenizer.mask_token, seed=seed, layer_types=d.layer_types,
+        sliding_window=d.sliding_window, causal=d.causal,
+    )  # fmt: skip

@@ -9,19 +9,14 @@ from typing import Any
 from torch import nn
 
 from dflash.config.schema import DrafterConfig
-from dflash.drafters import Family
+from dflash.drafters import Family, from_target_options
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.imported import Checkpoint, checkpoint_weights
 from dflash.model.shipped import DFlashDraftModel
 
 
 def build(d: DrafterConfig, target: nn.Module, tokenizer: Any, seed: int) -> DFlashDrafter:
-    return DFlashDrafter.from_target(
-        target, block_size=d.block_size, num_hidden_layers=d.num_hidden_layers,
-        num_target_features=d.num_target_features, mask_token_id=tokenizer.mask_token_id,
-        mask_token=tokenizer.mask_token, seed=seed, layer_types=d.layer_types,
-        sliding_window=d.sliding_window, causal=d.causal,
-    )  # fmt: skip
+    return DFlashDrafter.from_target(target, **from_target_options(d, tokenizer, seed))
 
 
 def start_from(

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from dflash.config.schema import DrafterConfig
-from dflash.drafters import Family
+from dflash.drafters import Family, from_target_options
 from dflash.errors import ConfigError
 from dflash.model.dflash2_drafter import (
     ARCHITECTURE,
@@ -52,11 +52,8 @@ def build(d: DrafterConfig, target: nn.Module, tokenizer: Any, seed: int) -> DFl
     vocab, hidden = target.get_input_embeddings().weight.shape
     check_sizes(d, hidden, vocab)
     return DFlash2Drafter.from_target(
-        target, sizes=sizes(d), block_size=d.block_size, num_hidden_layers=d.num_hidden_layers,
-        num_target_features=d.num_target_features, mask_token_id=tokenizer.mask_token_id,
-        mask_token=tokenizer.mask_token, seed=seed, layer_types=d.layer_types,
-        sliding_window=d.sliding_window, causal=d.causal,
-    )  # fmt: skip
+        target, sizes=sizes(d), **from_target_options(d, tokenizer, seed)
+    )
 
 
 def start_from(
