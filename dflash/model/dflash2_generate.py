@@ -9,14 +9,11 @@ target's greedy output whatever the drafter proposes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from torch import Tensor, nn
 
 from dflash.model.dflash2_drafter import DFlash2Drafter
 from dflash.model.drafter import drafter_autocast
-from dflash.model.generate import DrafterProposer, GenerateOutput, speculative_generate
+from dflash.model.generate import DrafterProposer
 
 
 class SelectorProposer(DrafterProposer):
@@ -38,21 +35,3 @@ class SelectorProposer(DrafterProposer):
             drafts = self.drafter.walk(hidden, block[:, 0]).tokens[0]
         self.features = self.context_positions = None  # in the cache now
         return drafts.tolist()
-
-
-def dflash2_generate(
-    target: nn.Module,
-    drafter: DFlash2Drafter,
-    prompt_ids: list[int] | Tensor,
-    max_new_tokens: int,
-    stop_token_ids: Sequence[int] = (),
-) -> GenerateOutput:
-    """Speculative decoding with a DFlash 2 drafter walking whole blocks."""
-    return speculative_generate(
-        target,
-        SelectorProposer(drafter),
-        prompt_ids,
-        max_new_tokens,
-        drafter.config.block_size,
-        stop_token_ids,
-    )
