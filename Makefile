@@ -4,12 +4,15 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# z-lab's reference DFlash wheel, downloaded and never installed (its import name is dflash too):
+# tests load its model code to check that exports load and decode there (tests/zlab.py).
+REFERENCE := $(VENV)/reference/dflash-0.1.0-py3-none-any.whl
 # Stage commands in dvc.yaml call `python` and `torchrun`: put the venv first on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
 .PHONY: setup repro test test-fast lint check-declaration bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(REFERENCE)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || python3 -m venv $(VENV)
@@ -17,6 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+$(REFERENCE): tests/reference.txt $(STAMP)
+	$(BIN)/python -m pip download -q --no-deps --require-hashes -r tests/reference.txt -d $(@D)
+	touch $@
 
 repro: setup
 	$(BIN)/dvc repro
