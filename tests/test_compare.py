@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import yaml
 
 from dflash.cli import main
-from dflash.commands.compare.paired import Row
+from dflash.commands.compare.paired import Row, train_rows
 from dflash.commands.compare.screen import line
 from dflash.eval.records import records_csv
 
@@ -221,3 +222,17 @@ def test_a_run_with_itself_or_with_its_own_params_is_nothing_to_compare(repo, ca
     for names, said in cases:
         assert main(["compare", *names]) == 2
         assert capsys.readouterr().err == f"dflash compare: {said}: nothing to compare\n"
+
+
+def test_a_selectors_figures_are_compared_only_where_a_run_has_them():
+    def run(**train):
+        return SimpleNamespace(train={"tokens_per_s": 1000.0} | train)
+
+    plain, walked = [run()], [run(final_path_accuracy=0.5, final_top_k_oracle_tau=4.0)]
+    figures = [r.figure for r in train_rows(plain, plain)]
+    assert "tokens/s" in figures and "projected h" in figures and "path acc." not in figures
+    rows = {r.figure: r for r in train_rows(walked, walked)}
+    assert rows["path acc."].first == 0.5 and rows["oracle τ"].this == 4.0
+    assert rows["path acc."].delta == 0.0 and "selector acc." not in rows
+    one_side = {r.figure: r for r in train_rows(plain, walked)}
+    assert one_side["path acc."].first is None and one_side["path acc."].this == 0.5

@@ -8,6 +8,7 @@ from test_dflash2_packed import _randomize_dflash2_, make_dflash2
 from test_dflash2_upgrade import _trained_dflash, _upgraded
 
 from dflash.features.target_forward import target_features
+from dflash.model.dflash2 import teacher_predecessors
 from dflash.model.objective import PAPER
 from dflash.train.simulated import SimulatedTau
 
@@ -81,3 +82,33 @@ def test_validation_figures_of_each_family(target, kind):
             assert 0.0 <= value <= 1.0, name
     if kind == "dflash2":  # the walk drafts among the top-K: it never beats the oracle
         assert figures["val_simulated_tau"] <= figures["val_top_k_oracle_tau"] <= 4
+
+
+def test_the_held_out_loss_holds_the_selectors_term_as_training_weighs_it(target):
+    """``val_loss`` is the head's decay-weighted CE plus ``selector_alpha`` x the selector's
+    K-way CE of the same slots, each slot weighed alike: worked out here slot by slot."""
+    drafter = _randomize_dflash2_(make_dflash2(target, transform=False), draw=3)
+    simulated = _simulated(target, drafter)
+    losses = {a: simulated.validate(drafter, PAPER._replace(selector_alpha=a), 7.0)["val_loss"]
+              for a in (0.0, 1.0, 2.0)}  # fmt: skip
+    labels, counts = simulated.labels, simulated.counts
+    bs = labels.shape[1]
+    decay = torch.exp(-(torch.arange(bs, dtype=torch.float64) - 1) / 7.0)
+    weights = torch.where(counts, decay, 0.0)
+    with torch.no_grad():
+        hidden = drafter(
+            simulated.block_ids, simulated.block_positions, simulated.features,
+            simulated.context_positions, simulated.mask,
+        )[0]  # fmt: skip
+        scores = drafter.selector_scores(
+            hidden, teacher_predecessors(labels.flatten(), bs), labels.flatten()
+        )
+    total, weight = 0.0, 0.0
+    for slot in torch.nonzero(weights.flatten()).flatten().tolist():
+        row = scores.scores[slot].double()
+        total += float(weights.flatten()[slot]) * float(
+            torch.logsumexp(row, 0) - row[scores.gold_index[slot]]
+        )
+        weight += float(weights.flatten()[slot])
+    assert losses[1.0] - losses[0.0] == pytest.approx(total / weight, rel=1e-6)
+    assert losses[2.0] - losses[0.0] == pytest.approx(2 * total / weight, rel=1e-6)

@@ -4,7 +4,10 @@ validation kept as best, the export, and evaluation by the selector's walk, loss
 import csv
 import json
 
+import pytest
 from conftest import run_stages
+
+from dflash.commands.report import render_report
 
 DFLASH2 = [
     "drafter.family=dflash2",
@@ -27,6 +30,13 @@ def test_dflash2_trains_exports_and_evaluates(tiny_workspace):
     rows = list(csv.DictReader(open(tiny_workspace / "plots/train/log.csv")))
     validated = [r for r in rows if r.get("val_path_accuracy")]
     assert validated and all(0 <= float(r["val_top_k_recall"]) <= 1 for r in validated)
+    assert all(r["path_accuracy"] and r["top_k_oracle_tau"] for r in rows)
+    details = json.loads((tiny_workspace / "metrics/train_details.json").read_text())
+    last = rows[-1]
+    for name in ("top_k_recall", "selector_accuracy", "path_accuracy", "top_k_oracle_tau"):
+        assert details[f"final_{name}"] == pytest.approx(float(last[name])), name
+    report = render_report(tiny_workspace)
+    assert "path acc." in report and "oracle τ" in report
     metrics = json.loads((tiny_workspace / "metrics/eval_details.json").read_text())
     assert metrics["lossless_mismatches"] == 0 and metrics["n_prompts"] > 0
     assert metrics["baselines"]["untrained"]["lossless_mismatches"] == 0

@@ -18,6 +18,7 @@ from dflash.metrics.names import (
     HEADLINE,
     PLOT_COLUMNS,
     REPORT,
+    SELECTOR,
     SERIES,
     STABILITY,
     SUMMARY,
@@ -77,11 +78,17 @@ def test_each_producer_writes_exactly_its_rows():
     window.add(_result(), seconds=1.0, wait=0.1, length_class="short")
     assert {*window.row(step=1, epoch=0), "simulated_tau"} == {*PLOT_COLUMNS, *plotted(SERIES)}
 
-    summary = run_summary(
-        TrainState(), tau_seconds=None, plan_tokens=0, timed=[], planned_steps=1, epochs=1,
-        world_size=1, drafter_sources=None,
-    )  # fmt: skip
-    assert set(summary) == set(written_by(SUMMARY))
+    def summary_of(state):
+        return run_summary(
+            state, tau_seconds=None, plan_tokens=0, timed=[], planned_steps=1, epochs=1,
+            world_size=1, drafter_sources=None,
+        )  # fmt: skip
+
+    selector = {f"final_{name}" for name in plotted(SELECTOR)}
+    assert set(summary_of(TrainState())) == set(written_by(SUMMARY)) - selector
+    walked = TrainState()
+    walked.rows.append({"loss": 1.0} | {name: 0.5 for name in plotted(SELECTOR)})
+    assert set(summary_of(walked)) == set(written_by(SUMMARY))
 
     balance = ColocatedFeatures(torch.nn.Identity(), []).finish()
     assert list(balance) == list(written_by(FEATURES))

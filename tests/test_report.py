@@ -324,3 +324,14 @@ def test_a_corrupt_or_wrong_typed_metrics_file_is_a_warning(tmp_path):
     write(tmp_path, {"metrics/train.json": {**HEADLINES["metrics/train.json"], "steps": "720"}})
     said = " ".join(warnings_of(render_report(tmp_path)).split())
     assert "metrics/train.json is corrupt (steps:" in said and "dvc repro train" in said
+
+
+def test_a_selectors_figures_show_only_for_a_run_that_has_them(tmp_path):
+    write(tmp_path, FILES)
+    assert "path acc." not in render_report(tmp_path)
+    selector = {"final_top_k_recall": 0.875, "final_selector_accuracy": 0.625,
+                "final_path_accuracy": 0.5, "final_top_k_oracle_tau": 4.25}  # fmt: skip
+    write(tmp_path, {"metrics/train_details.json": FILES["metrics/train_details.json"] | selector})
+    text = render_report(tmp_path)
+    for figure in ("top-K recall 0.875", "selector acc. 0.625", "path acc. 0.500", "oracle τ 4.25"):
+        assert figure in " ".join(text.split()), figure

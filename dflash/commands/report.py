@@ -22,7 +22,7 @@ from dflash.data.store import STORE_MANIFEST
 from dflash.eval.loops import text_ends_in_loop
 from dflash.eval.strata import scorecard_rows
 from dflash.metrics import schema as ms
-from dflash.metrics.names import REPORT, shown
+from dflash.metrics.names import BY_NAME, REPORT, shown
 from dflash.pipeline.freshness import stale_drafter
 from dflash.pipeline.workspace import RELATIVE, Workspace
 
@@ -133,6 +133,15 @@ TRAINING: list[list[Cell]] = [
     for i in range(0, len(shown(REPORT)), 3)
 ]
 """The training figures :data:`dflash.metrics.names.REPORT` names, in the table's order."""
+
+
+def training(d: ms.Metrics) -> list[str]:
+    """:data:`TRAINING`, less the figures only some runs have (a selector's) that this lacks."""
+    held = d.present()
+    cells = [cell for row in TRAINING for cell in row if BY_NAME[cell[1]].always or cell[1] in held]
+    return grid(held, [cells[i : i + 3] for i in range(0, len(cells), 3)])
+
+
 EVALUATION: list[list[Cell]] = [
     [("tau/response", "acceptance_length", ".2f"), ("tau 95% CI", "ci", "s"),
      ("tau pooled", "acceptance_length_pooled", ".2f")],
@@ -428,7 +437,7 @@ def render_report(root: Path) -> str:
     lines += ["", *section("target", "target", target, TARGET)]
     lines += ["", *section("batching", "plan", batching(root), plan_lines)]
     train = read(root, ms.TrainDetails, RELATIVE.train_details, RELATIVE.train_metrics)
-    lines += ["", *section("training", "train", train, TRAINING)]
+    lines += ["", *section("training", "train", train, training)]
     lines += [] if isinstance(train, str) else drafter_sources(train)
     lines += ["", *section("evaluation", "evaluate", ev, evaluation)]
     if not isinstance(ev, str) and "strata" in ev.model_fields_set:

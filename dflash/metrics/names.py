@@ -30,6 +30,8 @@ PRODUCERS = (SUMMARY, FEATURES, STABILITY, KEEP_BEST, EXPORT)
 # Where a figure is plotted.
 ROW = "row"
 """A column of ``plots/train/log.csv``, and a scalar of DVCLive and wandb, per log row."""
+SELECTOR = "selector"
+"""As ``ROW``, in the rows of a drafter with a selector (``dflash2``) only."""
 VALIDATION = "validation"
 """As ``ROW``, in the rows of a validation (``train.eval_every``) only."""
 SERIES = "series"
@@ -66,6 +68,11 @@ class Metric:
     spec: str = ""
     """Its format spec there."""
 
+    @property
+    def always(self) -> bool:
+        """Every run's summary holds it (one with a default only some runs write)."""
+        return self.default is REQUIRED
+
 
 M = Metric
 TRAIN: tuple[Metric, ...] = (
@@ -78,6 +85,16 @@ TRAIN: tuple[Metric, ...] = (
       "right.", plots=(ROW,)),
     M("simulated_tau", "τ of the drafter on the fixed held-out batch at a log row's step "
       "(absent without one).", plots=(ROW,)),
+    M("top_k_recall", "``dflash2``: the share of held-out draft positions whose target token "
+      "is among the head's top-K candidates, at a log row's step.", plots=(SELECTOR,)),
+    M("selector_accuracy", "``dflash2``: the share of held-out draft positions where the "
+      "selector, given the target's previous token, picks the target's token (teacher-forced), "
+      "at a log row's step.", plots=(SELECTOR,)),
+    M("path_accuracy", "``dflash2``: the share of held-out draft positions where the selector's "
+      "own greedy walk drafts the target's token, at a log row's step.", plots=(SELECTOR,)),
+    M("top_k_oracle_tau", "``dflash2``: τ on the held-out batch were each slot's draft the "
+      "target's token whenever the head's top-K holds it (the most a selector over these "
+      "candidates could accept), at a log row's step.", plots=(SELECTOR,)),
     M("lr", "The learning rate of a log row's last step.", plots=(ROW,)),
     M("grad_norm", "The gradient norm before clipping of a log row's last step (of each step in "
       "steps.csv).", plots=(ROW, STEP)),
@@ -109,6 +126,18 @@ TRAIN: tuple[Metric, ...] = (
       shown=(CARD, REPORT), label="accuracy", spec=".3f"),
     M("final_simulated_tau", "The last logged row's τ on the held-out batch (None: see "
       "``null_reasons``).", float | None, SUMMARY, shown=(CARD,)),
+    M("final_top_k_recall", "``dflash2``: the last logged row's ``top_k_recall``.",
+      float | None, SUMMARY, default=None, shown=(CARD, REPORT, COMPARE), label="top-K recall",
+      spec=".3f"),
+    M("final_selector_accuracy", "``dflash2``: the last logged row's ``selector_accuracy``.",
+      float | None, SUMMARY, default=None, shown=(CARD, REPORT, COMPARE),
+      label="selector acc.", spec=".3f"),
+    M("final_path_accuracy", "``dflash2``: the last logged row's ``path_accuracy``.",
+      float | None, SUMMARY, default=None, shown=(CARD, REPORT, COMPARE), label="path acc.",
+      spec=".3f"),
+    M("final_top_k_oracle_tau", "``dflash2``: the last logged row's ``top_k_oracle_tau``.",
+      float | None, SUMMARY, default=None, shown=(CARD, REPORT, COMPARE), label="oracle τ",
+      spec=".2f"),
     M("steps", "Optimizer steps the run took, skipped ones included.", int, SUMMARY,
       shown=(HEADLINE, CARD, REPORT), label="steps", spec=","),
     M("best_step", "``train.keep_best``: the step of the validation with the highest "
@@ -195,8 +224,8 @@ def details() -> tuple[Metric, ...]:
 
 PLOT_COLUMNS = plotted(ROW)
 """The columns of ``plots/train/log.csv``."""
-VAL_COLUMNS = plotted(VALIDATION)
-"""The validation figures: columns of the log only when a row has them."""
+OPTIONAL_COLUMNS = plotted(SELECTOR) + plotted(VALIDATION)
+"""A selector's and a validation's figures: columns of the log only when a row has them."""
 STEP_COLUMNS = tuple(plotted(STEP))
 """The columns of ``plots/train/steps.csv``."""
 

@@ -47,6 +47,7 @@ from dflash.train.observe.summary import run_summary
 from dflash.train.observe.window import Window, mean_sample_length
 from dflash.train.plan_check import check_epoch_file
 from dflash.train.run_files import Declared, TrainFiles
+from dflash.train.simulated import ROW_FIGURES
 from dflash.train.step import train_step
 from dflash.train.topology import Placement, naming_role
 
@@ -202,7 +203,7 @@ class Trainer:
             if c.train.eval_every and (step % c.train.eval_every == 0 or last):
                 row = {"step": step, "epoch": epoch} | self._validate(step)  # every rank
             if step % c.logging.every == 0 or epoch_end:
-                tau = self._simulated_tau(row.get("val_simulated_tau"))  # every rank: FSDP-safe
+                tau = self._simulated_tau(row)  # every rank: FSDP-safe
                 row = window.row(step, epoch) | tau | row
                 window = Window()
             if row and monitor is not None:
@@ -211,15 +212,16 @@ class Trainer:
                 self._save()
         bar.close()
 
-    def _simulated_tau(self, validated: float | None = None) -> dict[str, float]:
-        """τ of the current drafter on the fixed held-out batch (none without held-out data);
-        ``validated``, this step's validation τ, is the same figure, so it is not measured again."""
+    def _simulated_tau(self, validated: dict[str, float]) -> dict[str, float]:
+        """τ of the current drafter on the fixed held-out batch, and a selector's figures (none
+        without held-out data); a validation this step, ``validated``, measured the same figures,
+        so they are not measured again."""
         if self.simulated is None:
             return {}
-        if validated is not None:
-            return {"simulated_tau": validated}
+        if "val_simulated_tau" in validated:
+            return {k: validated[f"val_{k}"] for k in ROW_FIGURES if f"val_{k}" in validated}
         with borrowed_unsharded(self.drafter):  # the target's embedding and head, gathered
-            return {"simulated_tau": self.simulated.measure(self.drafter)}
+            return self.simulated.row_figures(self.drafter)
 
     def _validate(self, step: int) -> dict[str, float]:
         """The ``val_*`` figures of the current drafter on the held-out batch; with

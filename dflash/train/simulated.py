@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.data.chat import template_renderer
 from dflash.data.conversations import read_conversations
 from dflash.data.tokenizer import stop_token_ids
 from dflash.features.target_forward import target_features
+from dflash.metrics.names import SELECTOR, plotted
 from dflash.model.dflash2 import teacher_predecessors
 from dflash.model.drafter_attention import build_attention_mask
 from dflash.model.generate import greedy_generate
@@ -35,6 +37,9 @@ NEW_TOKENS = 32
 """Greedy tokens the target writes after each prompt; every one anchors a block."""
 HEAD_CHUNK = 4096
 """Block slots sent through the LM head at once: bounds the logits at a large vocabulary."""
+ROW_FIGURES = ("simulated_tau", *plotted(SELECTOR))
+"""What a log row measures on the held-out batch (a selector's figures with a selector only);
+a validation measures each as ``val_<name>``."""
 
 
 def heldout_prompts(path: Path, tokenizer, budget: int, options: dict) -> list[list[int]]:
@@ -178,9 +183,9 @@ class SimulatedTau:
     @torch.no_grad()
     def _slots(self, drafter, log_probs: bool = False) -> dict[str, Tensor]:
         """``[A, bs]`` per block slot, from one drafter forward: ``top``, its top-1 token;
-        ``drafts``, what it proposes (the selector's walk where it has one, else ``top``); with
-        ``log_probs``, ``log_probs`` (fp32, of the label) and, with a selector, its
-        teacher-forced figures (:meth:`_selector_hits`)."""
+        ``drafts``, what it proposes (the selector's walk where it has one, else ``top``), and
+        with a selector its teacher-forced hits (:meth:`_selector_hits`); with ``log_probs``,
+        ``log_probs`` (fp32, of the label)."""
         labels = self.labels.flatten()
         with self.autocast:
             hidden = drafter(
@@ -199,8 +204,7 @@ class SimulatedTau:
             selector = with_selector(drafter)
             if selector is not None:
                 out["drafts"] = self._walk(selector, hidden.view(*shape, -1))
-                if log_probs:
-                    out |= self._selector_hits(selector, hidden)
+                out |= self._selector_hits(selector, hidden)
         if log_probs:
             out["log_probs"] = torch.cat(scores).view(shape)
         return out
@@ -217,8 +221,9 @@ class SimulatedTau:
         return torch.cat([anchors[:, None], torch.cat(walked)], dim=1)
 
     def _selector_hits(self, drafter, hidden: Tensor) -> dict[str, Tensor]:
-        """``[A, bs]`` bool per slot: ``in_top_k``, the label among the head's K; ``selected``,
-        the selector's best given the label's own predecessor is the label (teacher-forced)."""
+        """``[A, bs]`` per slot: ``in_top_k``, the label among the head's K; ``selected``, the
+        selector's best given the label's own predecessor is the label (teacher-forced);
+        ``selector_ce``, the K-way cross-entropy of the label training minimises there."""
         block_size = self.labels.shape[1]
         predecessors = teacher_predecessors(self.labels.flatten(), block_size)  # slot 0: anchor
         scores = drafter.selector_scores(hidden, predecessors, self.labels.flatten(), HEAD_CHUNK)
@@ -227,6 +232,9 @@ class SimulatedTau:
         return {
             "in_top_k": scores.gold_in_top_k.view(shape),
             "selected": selected.view(shape) == self.labels,
+            "selector_ce": F.cross_entropy(
+                scores.scores.double(), scores.gold_index, reduction="none"
+            ).view(shape),
         }
 
     def _taus(self, top: Tensor) -> Tensor:
@@ -239,11 +247,18 @@ class SimulatedTau:
         return self._taus(self._slots(drafter)["drafts"])
 
     def measure(self, drafter) -> float:
-        """The mean over blocks, timed for the cost figure."""
+        """τ: the mean over blocks, timed for the cost figure."""
+        return self.row_figures(drafter)["simulated_tau"]
+
+    def row_figures(self, drafter) -> dict[str, float]:
+        """A log row's figures from one drafter forward: ``simulated_tau``, the mean over
+        blocks, and a selector's own (:data:`SELECTOR_FIGURES`); timed for the cost figure."""
         began = time.perf_counter()
-        tau = self.block_taus(drafter).double().mean().item()
+        slots = self._slots(drafter)
+        figures = {"simulated_tau": self._taus(slots["drafts"]).double().mean().item()}
+        figures |= self._selector_figures(slots)
         self.seconds += time.perf_counter() - began
-        return tau
+        return figures
 
     def validate(self, drafter, objective: Objective, gamma: float) -> dict[str, float]:
         """Validation figures of one drafter forward over the batch's counted block slots.
@@ -251,7 +266,8 @@ class SimulatedTau:
         ``val_loss`` is the cross-entropy of the target's token (its own greedy answer, so
         also its argmax) weighted by slot as ``objective.position_weight`` says (decay with
         ``gamma``, or from the drafter's probabilities); CE whatever ``objective.loss`` is, since
-        the batch keeps the target's tapped features, not its distribution.
+        the batch keeps the target's tapped features, not its distribution. A selector's
+        K-way cross-entropy joins it as the objective adds it (``objective.selector_alpha``).
         ``val_accuracy`` is the share of counted slots whose top-1 is that token, and
         ``val_simulated_tau`` is :meth:`measure`'s τ. A drafter with a selector adds its
         figures (``val_top_k_recall`` ..., :mod:`dflash.metrics.names`). Timed into the cost
@@ -262,22 +278,33 @@ class SimulatedTau:
         log_probs, counts = slots["log_probs"], self.counts
         weighting = position_weight(objective.position_weight)
         weights = weighting.blocks(log_probs.exp(), counts, objective, gamma).double()
-        loss = -(weights * log_probs.double()).sum() / weights.sum().clamp(min=1e-12)
+        loss = -(weights * log_probs.double()).sum()
+        if "selector_ce" in slots:  # the objective's selector term, weighed as the head's
+            ce = slots["selector_ce"].where(weights > 0, 0.0)
+            loss = loss + objective.selector_alpha * (weights * ce).sum()
+        loss = loss / weights.sum().clamp(min=1e-12)
         figures = {
             "val_loss": loss.item(),
             "val_accuracy": self._share(slots["top"] == self.labels),
             "val_simulated_tau": self._taus(slots["drafts"]).double().mean().item(),
         }
-        if "selected" in slots:
-            oracle = self.labels.where(slots["in_top_k"], -1)  # the label wherever the K hold it
-            figures |= {
-                "val_top_k_recall": self._share(slots["in_top_k"]),
-                "val_selector_accuracy": self._share(slots["selected"]),
-                "val_path_accuracy": self._share(slots["drafts"] == self.labels),
-                "val_top_k_oracle_tau": self._taus(oracle).double().mean().item(),
-            }
+        figures |= {f"val_{k}": v for k, v in self._selector_figures(slots).items()}
         self.seconds += time.perf_counter() - began
         return figures
+
+    def _selector_figures(self, slots: dict[str, Tensor]) -> dict[str, float]:
+        """A selector's figures over the counted slots (none without one): the label's share
+        among the head's K, teacher-forced and walked, and τ were every slot right whenever the
+        K hold the label."""
+        if "selected" not in slots:
+            return {}
+        oracle = self.labels.where(slots["in_top_k"], -1)  # the label wherever the K hold it
+        return {
+            "top_k_recall": self._share(slots["in_top_k"]),
+            "selector_accuracy": self._share(slots["selected"]),
+            "path_accuracy": self._share(slots["drafts"] == self.labels),
+            "top_k_oracle_tau": self._taus(oracle).double().mean().item(),
+        }
 
     def _share(self, hits: Tensor) -> float:
         """The share of counted slots where ``hits [A, bs]`` holds."""

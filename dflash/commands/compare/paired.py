@@ -23,7 +23,7 @@ import numpy as np
 
 from dflash.commands.compare.revisions import Run
 from dflash.eval.strata import GROUPS, KINDS
-from dflash.metrics.names import COMPARE, shown
+from dflash.metrics.names import BY_NAME, COMPARE, shown
 
 SEED_KEYS = ("train.seed", "batching.seed")
 """The params whose runs are replicates: the drafter's initialisation, anchor draws and the
@@ -198,6 +198,8 @@ def train_rows(first: list[Run], this: list[Run]) -> list[Row]:
     rows = []
     for label, key in TRAIN_FIGURES:
         va, vb = figures(first, key), figures(this, key)
+        if not va and not vb and not BY_NAME[key].always:
+            continue  # a figure only some drafters have (a selector's), on neither side
         ma = float(np.mean(va)) if va else None
         mb = float(np.mean(vb)) if vb else None
         delta = mb - ma if ma is not None and mb is not None else None

@@ -22,7 +22,7 @@ from typing import Any
 from dflash.config.schema import Config
 from dflash.fileio import write_text_atomic
 from dflash.metrics.dvclive import open_live
-from dflash.metrics.names import PLOT_COLUMNS, STEP_COLUMNS, VAL_COLUMNS
+from dflash.metrics.names import OPTIONAL_COLUMNS, PLOT_COLUMNS, STEP_COLUMNS
 from dflash.train.observe.composition import spearman
 from dflash.train.observe.stability import is_spike, stability
 
@@ -79,7 +79,7 @@ class Monitor:
 
     def _log_live(self, row: dict[str, Any]) -> None:
         self.live.step = row["step"]
-        for key in PLOT_COLUMNS[2:] + VAL_COLUMNS:
+        for key in PLOT_COLUMNS[2:] + OPTIONAL_COLUMNS:
             if isinstance(row.get(key), int | float):
                 self.live.log_metric(f"train/{key}", row[key])
         for length_class, loss in row.get("loss_by_length", {}).items():
@@ -90,7 +90,7 @@ class Monitor:
         self.rows.append(row)
         self._log_live(row)
         if self.run is not None:
-            names = PLOT_COLUMNS[1:] + VAL_COLUMNS
+            names = PLOT_COLUMNS[1:] + OPTIONAL_COLUMNS
             scalars = {f"train/{k}": v for k, v in row.items() if k in names}
             for k, acc in enumerate(row.get("per_position_accuracy", []), start=1):
                 scalars[f"accuracy_by_position/{k:02d}"] = acc
@@ -132,8 +132,8 @@ def steps_to_csv(history: dict[str, list[float]]) -> str:
 
 def rows_to_csv(rows: list[dict[str, Any]]) -> str:
     out = io.StringIO()
-    validated = [key for key in VAL_COLUMNS if any(key in row for row in rows)]
-    writer = csv.DictWriter(out, fieldnames=PLOT_COLUMNS + validated, extrasaction="ignore")
+    present = [key for key in OPTIONAL_COLUMNS if any(key in row for row in rows)]
+    writer = csv.DictWriter(out, fieldnames=PLOT_COLUMNS + present, extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()

@@ -11,6 +11,7 @@ import math
 import os
 from typing import Any
 
+from dflash.metrics.names import SELECTOR, plotted
 from dflash.model.drafter_attention import flex_compiles
 from dflash.train.checkpointing.state import TrainState
 from dflash.train.observe.pilot import projected_hours
@@ -70,6 +71,9 @@ def final_figures(s: TrainState, measured_tau: bool) -> tuple[dict[str, Any], di
                                 no_row if not last_row or measured_tau else NO_HELDOUT),
     }  # fmt: skip
     values, reasons = {}, {}
+    for name in plotted(SELECTOR):  # a selector's figures, absent without one
+        if name in last_row:
+            figures[f"final_{name}"] = (last_row[name], no_row)
     for key, (value, why) in figures.items():
         finite = value is not None and math.isfinite(value)
         values[key] = value if finite else None
