@@ -7,9 +7,11 @@ forward, loss, backward, AdamW step) and prints one JSON line. Peak RSS is the w
 high-water mark, so run one shape per process: ``--table`` does that for a grid of sequence
 lengths and anchor counts and prints a Markdown table. ``--parallelism {ddp,fsdp}
 --world-size 2`` runs the step on 2 gloo ranks instead and adds what each rank holds
-(``bench/sharded_step.py``). ``--topology decoupled`` runs a target rank's part (the target
-and its features) and a drafter rank's part (the borrowed embedding and head, the drafter's
-step on received features) in a process each and prints the memory of each role.
+(``bench/sharded_step.py``). ``--family dflash2`` measures a DFlash 2 drafter: its
+convolutions, and its selector's codebooks over the whole vocabulary at ``--selector-rank``.
+``--topology decoupled`` runs a target rank's part (the target and its features) and a
+drafter rank's part (the borrowed embedding and head, the drafter's step on received
+features) in a process each and prints the memory of each role.
 
 What carries over to a GPU is the growth, not the seconds: a shape whose step does not fit in
 CPU memory holds the same tensors on a GPU.
@@ -31,10 +33,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.features.target_forward import target_features
 from dflash.model.anchors import sample_anchors
+from dflash.model.dflash2_drafter import DFlash2Drafter, DFlash2Sizes
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.objective import dflash_objective
 
 GAMMA = 7.0
+CONV_KERNEL_SIZE, CONV_GROUP_SIZE = 2, 16
+"""DFlash 2's convolution as z-lab publishes it (and the default's)."""
 HEAD_DIM = 64
 
 
@@ -90,21 +95,24 @@ def borrowed_target(config: Qwen3Config) -> Qwen3ForCausalLM:
 
 
 def build_models(args: argparse.Namespace) -> tuple[Qwen3ForCausalLM, DFlashDrafter]:
+    """A random target and, ``--family dflash2``, a DFlash 2 drafter with its selector over the
+    whole vocabulary (its objective then adds the selector's term)."""
     torch.manual_seed(0)
     config = target_config(args)
     if args.role == "drafter":
         target = borrowed_target(config)
     else:
         target = Qwen3ForCausalLM(config).eval().requires_grad_(False)
-    features = feature_count(args)
-    drafter = DFlashDrafter.from_target(
-        target,
-        block_size=args.block_size,
-        num_hidden_layers=args.drafter_layers,
-        num_target_features=features,
-        mask_token_id=args.vocab - 1,
-    )
-    return target, drafter
+    options = {
+        "block_size": args.block_size,
+        "num_hidden_layers": args.drafter_layers,
+        "num_target_features": feature_count(args),
+        "mask_token_id": args.vocab - 1,
+    }
+    if args.family == "dflash2":
+        sizes = DFlash2Sizes(CONV_KERNEL_SIZE, CONV_GROUP_SIZE, args.selector_rank, args.top_k)
+        return target, DFlash2Drafter.from_target(target, sizes=sizes, **options)
+    return target, DFlashDrafter.from_target(target, **options)
 
 
 def micro_batch(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
@@ -174,6 +182,7 @@ def one_step(args: argparse.Namespace) -> dict:
         "hidden": args.hidden,
         "layers": args.layers,
         "block_size": args.block_size,
+        "family": args.family,
         "loss": round(float(out.loss_sum.detach() / out.weight_sum), 4),
     }
 
@@ -256,6 +265,9 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=1, help="gloo ranks")
     parser.add_argument("--topology", choices=["colocated", "decoupled"], default="colocated")
     parser.add_argument("--role", choices=["both", "target", "drafter"], default="both")
+    parser.add_argument("--family", choices=["dflash", "dflash2"], default="dflash")
+    parser.add_argument("--selector-rank", type=int, default=256, help="dflash2 (z-lab's 256)")
+    parser.add_argument("--top-k", type=int, default=16, help="dflash2: selector_top_k")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of text")
     parser.add_argument("--table", action="store_true", help="seq-len x anchors grid, Markdown")
     args = parser.parse_args()
