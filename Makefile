@@ -10,7 +10,7 @@ REFERENCE := $(VENV)/reference/dflash-0.1.0-py3-none-any.whl
 # Stage commands in dvc.yaml call `python` and `torchrun`: put the venv first on PATH.
 export PATH := $(CURDIR)/$(BIN):$(PATH)
 
-.PHONY: setup repro test test-fast lint check-declaration bench clean
+.PHONY: setup repro test test-fast bytecode lint check-declaration bench clean
 
 setup: $(STAMP) $(REFERENCE)
 
@@ -30,11 +30,17 @@ repro: setup
 	$(BIN)/dflash report
 
 # Two pytest-xdist workers, a test file each at a time (its module fixtures built once).
-test: setup
+# The tests start a few hundred Python processes (ranks, agents, stages): bytecode compiled
+# once up front spares each of them compiling the package again where the environment
+# forbids writing it (PYTHONDONTWRITEBYTECODE).
+test: setup bytecode
 	$(BIN)/pytest -q --durations=15 -n 2 --dist loadfile
 
-test-fast: setup
+test-fast: setup bytecode
 	$(BIN)/pytest -q -m "not slow" -n 2 --dist loadfile
+
+bytecode: setup
+	$(BIN)/python -m compileall -q dflash stages bench tests
 
 lint: setup
 	$(BIN)/ruff check .

@@ -294,3 +294,15 @@ def test_help_says_what_every_command_does_and_names_publish(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
     assert "export it with its model card" in " ".join(capsys.readouterr().out.split())
+
+
+def test_bytecode_beside_the_code_is_no_stage_dep():
+    """dvc.yaml names whole packages (dflash/train ...) as code deps: the ``__pycache__`` that
+    running them writes there must not change those deps, or every run reruns its stages."""
+    from dvc.repo import Repo
+
+    code = ROOT / "dflash" / "train"
+    ignore = Repo(str(ROOT)).dvcignore
+    assert ignore.is_ignored_dir(str(code / "__pycache__"))
+    assert ignore.is_ignored_file(str(code / "__pycache__" / "loop.cpython-311.pyc"))
+    assert not ignore.is_ignored_file(str(code / "loop.py"))
