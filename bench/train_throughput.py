@@ -9,9 +9,11 @@ then runs ``stats`` there. Either way, each strategy is planned for one epoch an
 its own scratch directory, ``--runs`` times (strategies interleaved, so load drifts hit all
 alike). It prints per strategy the plan's padding efficiency, tokens/s (median, min-max),
 and the median against `sorted` and against the best of `sorted` and `bucketed`.
+``--families dflash,dflash2`` runs every strategy with each drafter family, interleaved, and
+names the rows ``strategy/family``; its ratio column is then against the first row.
 
     python bench/train_throughput.py [--epochs 1] [--world-size 1] [--strategies a,b]
-        [--runs 1] [--set key=value ...]
+        [--runs 1] [--families dflash,dflash2] [--set key=value ...]
     python bench/train_throughput.py --lengths longtail --runs 3 [--samples 1200]
         [--max-len 1024]
 """
@@ -168,8 +170,9 @@ def dflash_cli(stage: str, sets: list[str], cwd: Path, env: dict | None = None) 
     subprocess.run(cmd, cwd=cwd, check=True, env=env)
 
 
-def run_strategy(strategy: str, args: argparse.Namespace, source: Path) -> dict:
-    """Plan and train one strategy in a scratch directory linking ``source``'s artefacts."""
+def run_strategy(strategy: str, family: str, args: argparse.Namespace, source: Path) -> dict:
+    """Plan and train one strategy and drafter family in a scratch directory linking
+    ``source``'s artefacts."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for rel in LINKED:
@@ -177,6 +180,7 @@ def run_strategy(strategy: str, args: argparse.Namespace, source: Path) -> dict:
             (work / rel).symlink_to(source / rel)
         sets = [
             f"batching.strategy={strategy}",
+            f"drafter.family={family}",
             "logging.wandb=disabled",
             f"train.checkpoint_every={10**9}",
             *shared_sets(args),
@@ -204,8 +208,9 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
         f"\n{data}, world size {args.world_size}, {args.epochs} epoch(s), {args.runs} run(s), "
         f"tiny default params.yaml{overrides}"
     )
+    width = max(10, *(len(name) + 1 for name in results))
     header = (
-        f"{'strategy':<10}{'plan eff':>9}{'tok/s':>9}{'min-max':>15}{'pad tok/s':>11}"
+        f"{'strategy':<{width}}{'plan eff':>9}{'tok/s':>9}{'min-max':>15}{'pad tok/s':>11}"
         f"{'vs sorted':>11}{'vs best s/b':>13}{'data wait':>11}{'train s':>9}"
     )
     print(header)
@@ -216,7 +221,7 @@ def print_table(results: dict[str, list[dict]], args: argparse.Namespace) -> Non
         spread = [m["tokens_per_s"] for m in runs]
         vs_best = f"{tps[name] / best:>12.2f}x" if best else f"{'-':>13}"
         print(
-            f"{name:<10}{med['plan_efficiency']:>9.3f}{tps[name]:>9.0f}"
+            f"{name:<{width}}{med['plan_efficiency']:>9.3f}{tps[name]:>9.0f}"
             f"{f'{min(spread):.0f}-{max(spread):.0f}':>15}{med['padded_tokens_per_s']:>11.0f}"
             f"{tps[name] / base:>10.2f}x{vs_best}"
             f"{med['data_wait_fraction']:>10.1%}{med['train_seconds']:>9.0f}"
@@ -232,6 +237,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--strategies", default="sorted,shuffle,bucketed,packed")
+    parser.add_argument(
+        "--families", default="dflash", help="drafter families, each run with every strategy"
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -249,12 +257,14 @@ def main() -> None:
         for rel in LINKED:
             if not (ROOT / rel).exists():
                 sys.exit(f"{rel} is missing: run `make repro` (or `dvc repro stats`) first")
-    results: dict[str, list[dict]] = {s: [] for s in strategies}
+    families = args.families.split(",")
+    arms = {(s if len(families) == 1 else f"{s}/{f}"): (s, f) for s in strategies for f in families}
+    results: dict[str, list[dict]] = {name: [] for name in arms}
     with tempfile.TemporaryDirectory() as tmp:
         source = ROOT if args.lengths == "pipeline" else build_longtail(Path(tmp), args)
         for _ in range(args.runs):
-            for strategy in strategies:
-                results[strategy].append(run_strategy(strategy, args, source))
+            for name, (strategy, family) in arms.items():
+                results[name].append(run_strategy(strategy, family, args, source))
     print_table(results, args)
 
 
