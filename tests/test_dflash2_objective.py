@@ -119,3 +119,31 @@ def test_the_selector_term_trains_a_wrapped_drafter_alike(target, world_of_one, 
     ):
         grad = q.grad.full_tensor() if hasattr(q.grad, "full_tensor") else q.grad
         torch.testing.assert_close(grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_selector_keeps_no_vocabulary_wide_tensor_and_its_gradient_is_the_plain_one(target):
+    """The K scored logits come from their rows of the head (recomputed in the backward): the
+    backward holds nothing ``[.., V]`` wide, and the gradient to the drafter's hidden states is
+    the one through whole logits."""
+    drafter = _randomize_dflash2_(make_dflash2(target), draw=7)
+    vocab, n = drafter.config.vocab_size, 10
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(n, drafter.config.hidden_size, generator=gen, requires_grad=True)
+    preds, gold = (torch.randint(0, vocab, (n,), generator=gen) for _ in range(2))
+    widths = []
+
+    def keep(t):
+        widths.append(t.shape[-1] if t.dim() else 0)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = drafter.selector_scores(hidden, preds, gold, rows=3)
+    assert vocab not in widths
+    ours = torch.autograd.grad(F.cross_entropy(out.scores, out.gold_index), hidden)[0]
+
+    logits = drafter.logits(hidden)  # the plain way: gather from whole logits
+    selector = drafter.candidate_selector
+    pair = selector.pair(selector.project(hidden), preds, out.loss_candidates)
+    plain = unary(logits.gather(-1, out.loss_candidates), **drafter.unary_transform()) + pair
+    expected = torch.autograd.grad(F.cross_entropy(plain, out.gold_index), hidden)[0]
+    torch.testing.assert_close(ours, expected, atol=1e-6, rtol=1e-5)

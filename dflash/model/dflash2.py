@@ -14,6 +14,7 @@ that module), so it can ship beside it as remote code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -232,19 +233,47 @@ class CandidateSelector(nn.Module):
         softcap: float | None = None,
     ) -> SelectorScores:
         """Teacher-forced K-way scores: ``logits [..., V]`` (raw, the target head's), ``hidden
-        [..., H]`` and ``predecessors [...]`` per slot (:func:`teacher_predecessors`).
+        [..., H]`` and ``predecessors [...]`` per slot (:func:`teacher_predecessors`): the
+        :meth:`unary_scores` plus the pair term (:meth:`with_pairs`)."""
+        unary_only = self.unary_scores(
+            logits, gold, output_multiplier=output_multiplier, softcap=softcap
+        )
+        return self.with_pairs(unary_only, hidden, predecessors)
+
+    def unary_scores(
+        self,
+        logits: Tensor,
+        gold: Tensor | None = None,
+        *,
+        candidate_logits: Callable[[Tensor], Tensor] | None = None,
+        output_multiplier: float = 1.0,
+        softcap: float | None = None,
+    ) -> SelectorScores:
+        """The candidates of ``logits [..., V]`` and their U alone as ``scores``.
 
         ``gold [...]`` (token ids) enters the *scored* set at rank K where the served top-K
         lacks it, as speculators trains, so every slot has a K-way label; the served set is
-        returned untouched. U keeps its gradient, so the selector loss also trains the drafter.
+        returned untouched. U keeps its gradient, so the selector loss also trains the drafter:
+        gathered from ``logits``, or ``candidate_logits(ids)`` where given (a gather keeps the
+        whole ``[..., V]`` for its backward; then ``logits`` needs no gradient).
         """
         _, served = logits.topk(self.top_k, dim=-1)
         scored, index, present = served, None, None
         if gold is not None:
             scored, index, present = inject_gold(served, gold)
-        u = unary(_scores_dtype(logits.gather(-1, scored)), output_multiplier, softcap)
-        pair = self.pair(self.project(hidden), predecessors, scored)
-        return SelectorScores(served, scored, u + pair.to(u.dtype), index, present)
+        raw = logits.gather(-1, scored) if candidate_logits is None else candidate_logits(scored)
+        u = unary(_scores_dtype(raw), output_multiplier, softcap)
+        return SelectorScores(served, scored, u, index, present)
+
+    def with_pairs(
+        self, unary_only: SelectorScores, hidden: Tensor, predecessors: Tensor
+    ) -> SelectorScores:
+        """:meth:`unary_scores` plus ``<A(a) * P(h), B(b)>`` of its scored candidates. Over all
+        slots at once, however the unary part was chunked: each codebook lookup's gradient is a
+        dense ``[V, r]``, one per call, so a call per chunk would hold one per chunk."""
+        u = unary_only.scores
+        pair = self.pair(self.project(hidden), predecessors, unary_only.loss_candidates)
+        return unary_only._replace(scores=u + pair.to(u.dtype))
 
     def walk(
         self,

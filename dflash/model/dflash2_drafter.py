@@ -13,12 +13,14 @@ one of the same weights does: convs the identity, pair term 0.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash.model import hf_files
 from dflash.model.dflash2 import (
@@ -180,23 +182,40 @@ class DFlash2Drafter(DFlashDrafter):
         its anchor), ``gold [N]`` entering the scored set only.
 
         ``rows`` slots at a time: each chunk's ``[rows, V]`` logits go once its top-K is read,
-        and the gradient keeps only the K gathered ones, so no ``[N, V]`` tensor is made.
+        and the gradient keeps only the K gathered ones, so no ``[N, V]`` tensor is made; the
+        pair term then runs once over every slot (:meth:`CandidateSelector.with_pairs`).
         """
         total = max(hidden.shape[0], 1)  # one chunk even when empty, for the result's shapes
         rows = rows or total
         parts = []
         for i in range(0, total, rows):
             part = slice(i, i + rows)
-            logits = self.logits(hidden[part])
             chunk_gold = None if gold is None else gold[part]
+            with torch.no_grad():  # the K picked per slot need no gradient through [rows, V]
+                logits = self.logits(hidden[part])
             parts.append(
-                self.candidate_selector.scores(
-                    logits, hidden[part], predecessors[part], chunk_gold, **self.unary_transform()
+                self.candidate_selector.unary_scores(
+                    logits,
+                    chunk_gold,
+                    candidate_logits=partial(self.candidate_logits, hidden[part]),
+                    **self.unary_transform(),
                 )
             )
-        return SelectorScores(
+        unary_only = SelectorScores(
             *(_cat([getattr(p, f) for p in parts]) for f in SelectorScores._fields)
         )
+        return self.candidate_selector.with_pairs(unary_only, hidden, predecessors)
+
+    def candidate_logits(self, hidden: Tensor, ids: Tensor) -> Tensor:
+        """The head's raw logits of ``ids [N, K]`` alone, from their rows of its weight, with
+        the gradient to ``hidden [N, H]``. Recomputed in the backward, so it keeps only
+        ``hidden`` and ``ids``: no ``[N, V]`` logits, nor the ``[N, K, H]`` rows."""
+        return checkpoint(self._candidate_logits, hidden, ids, use_reentrant=False)
+
+    def _candidate_logits(self, hidden: Tensor, ids: Tensor) -> Tensor:
+        weight, bias = self.head()
+        out = torch.einsum("nh,nkh->nk", hidden.to(weight.dtype), weight[ids])
+        return out if bias is None else out + bias[ids]
 
     def extra_loss(self, hidden: Tensor, labels: Tensor, plan: Any, objective: Any) -> Tensor:
         """``objective.selector_alpha`` x the selector's K-way cross-entropy of the plan's
