@@ -75,6 +75,20 @@ class Metric:
 
 
 M = Metric
+SELECTOR_FIGURES = (
+    ("top_k_recall", "the share of held-out draft positions whose target token is among the "
+     "head's top-K candidates", "top-K recall", ".3f"),
+    ("selector_accuracy", "the share of held-out draft positions where the selector, given the "
+     "target's previous token, picks the target's token (teacher-forced)", "selector acc.",
+     ".3f"),
+    ("path_accuracy", "the share of held-out draft positions where the selector's own greedy "
+     "walk drafts the target's token", "path acc.", ".3f"),
+    ("top_k_oracle_tau", "τ on the held-out batch were each slot's draft the target's token "
+     "whenever the head's top-K holds it (the most a selector over these candidates could "
+     "accept)", "oracle τ", ".2f"),
+)  # fmt: skip
+"""A selector's (``dflash2``) figures on the held-out batch, as (name, meaning, label, spec):
+each is a log row's, a validation's (``val_``) and the run's last (``final_``)."""
 TRAIN: tuple[Metric, ...] = (
     M("step", "The global optimizer step a log row or a point ends at (from 1).",
       plots=(ROW, STEP)),
@@ -85,16 +99,8 @@ TRAIN: tuple[Metric, ...] = (
       "right.", plots=(ROW,)),
     M("simulated_tau", "τ of the drafter on the fixed held-out batch at a log row's step "
       "(absent without one).", plots=(ROW,)),
-    M("top_k_recall", "``dflash2``: the share of held-out draft positions whose target token "
-      "is among the head's top-K candidates, at a log row's step.", plots=(SELECTOR,)),
-    M("selector_accuracy", "``dflash2``: the share of held-out draft positions where the "
-      "selector, given the target's previous token, picks the target's token (teacher-forced), "
-      "at a log row's step.", plots=(SELECTOR,)),
-    M("path_accuracy", "``dflash2``: the share of held-out draft positions where the selector's "
-      "own greedy walk drafts the target's token, at a log row's step.", plots=(SELECTOR,)),
-    M("top_k_oracle_tau", "``dflash2``: τ on the held-out batch were each slot's draft the "
-      "target's token whenever the head's top-K holds it (the most a selector over these "
-      "candidates could accept), at a log row's step.", plots=(SELECTOR,)),
+    *(M(name, f"``dflash2``: {doc}, at a log row's step.", plots=(SELECTOR,))
+      for name, doc, _, _ in SELECTOR_FIGURES),
     M("lr", "The learning rate of a log row's last step.", plots=(ROW,)),
     M("grad_norm", "The gradient norm before clipping of a log row's last step (of each step in "
       "steps.csv).", plots=(ROW, STEP)),
@@ -107,17 +113,8 @@ TRAIN: tuple[Metric, ...] = (
       plots=(VALIDATION,)),
     M("val_simulated_tau", "τ on the held-out batch at a validation (a drafter with a "
       "selector, ``dflash2``: along its greedy walk).", plots=(VALIDATION,)),
-    M("val_top_k_recall", "``dflash2``: the share of held-out draft positions whose target "
-      "token is among the head's top-K candidates, at a validation.", plots=(VALIDATION,)),
-    M("val_selector_accuracy", "``dflash2``: the share of held-out draft positions where the "
-      "selector, given the target's previous token, picks the target's token, at a "
-      "validation.", plots=(VALIDATION,)),
-    M("val_path_accuracy", "``dflash2``: the share of held-out draft positions where the "
-      "selector's own greedy walk drafts the target's token, at a validation.",
-      plots=(VALIDATION,)),
-    M("val_top_k_oracle_tau", "``dflash2``: τ on the held-out batch were each slot's draft "
-      "the target's token whenever the head's top-K holds it: the most a selector over these "
-      "candidates could accept, at a validation.", plots=(VALIDATION,)),
+    *(M(f"val_{name}", f"``dflash2``: {doc}, at a validation.", plots=(VALIDATION,))
+      for name, doc, _, _ in SELECTOR_FIGURES),
     M("final_loss", "The mean loss of the last epoch's finite steps (None: see "
       "``null_reasons``).", float | None, SUMMARY,
       shown=(HEADLINE, CARD, REPORT, COMPARE), label="final loss", spec=".3f"),
@@ -126,18 +123,9 @@ TRAIN: tuple[Metric, ...] = (
       shown=(CARD, REPORT), label="accuracy", spec=".3f"),
     M("final_simulated_tau", "The last logged row's τ on the held-out batch (None: see "
       "``null_reasons``).", float | None, SUMMARY, shown=(CARD,)),
-    M("final_top_k_recall", "``dflash2``: the last logged row's ``top_k_recall``.",
-      float | None, SUMMARY, default=None, shown=(CARD, REPORT, COMPARE), label="top-K recall",
-      spec=".3f"),
-    M("final_selector_accuracy", "``dflash2``: the last logged row's ``selector_accuracy``.",
-      float | None, SUMMARY, default=None, shown=(CARD, REPORT, COMPARE),
-      label="selector acc.", spec=".3f"),
-    M("final_path_accuracy", "``dflash2``: the last logged row's ``path_accuracy``.",
-      float | None, SUMMARY, default=None, shown=(CARD, REPORT, COMPARE), label="path acc.",
-      spec=".3f"),
-    M("final_top_k_oracle_tau", "``dflash2``: the last logged row's ``top_k_oracle_tau``.",
-      float | None, SUMMARY, default=None, shown=(CARD, REPORT, COMPARE), label="oracle τ",
-      spec=".2f"),
+    *(M(f"final_{name}", f"``dflash2``: the last logged row's ``{name}``.", float | None,
+        SUMMARY, default=None, shown=(CARD, REPORT, COMPARE), label=label, spec=spec)
+      for name, _, label, spec in SELECTOR_FIGURES),
     M("steps", "Optimizer steps the run took, skipped ones included.", int, SUMMARY,
       shown=(HEADLINE, CARD, REPORT), label="steps", spec=","),
     M("best_step", "``train.keep_best``: the step of the validation with the highest "
