@@ -13,7 +13,7 @@ checkpoint starts either family; ``dflash2`` upgrades it with the params' sizes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +21,11 @@ from torch import nn
 
 from dflash.config.schema import DrafterConfig
 from dflash.drafters.dflash2 import check_sizes
+from dflash.drafters.dflash2 import sizes as sizes_of
 from dflash.errors import ConfigError
 from dflash.model.families import family
-from dflash.model.imported import (
-    SPECULATORS_DFLASH2,
-    Checkpoint,
-    check_finite,
-    check_weights,
-    read_checkpoint,
-)
+from dflash.model.imported import Checkpoint, check_finite, check_weights, read_checkpoint
 from dflash.model.layer_ids import target_layer_ids
-
-DFLASH2_SIZES = tuple(SPECULATORS_DFLASH2)
-"""The ``drafter.*`` sizes a DFlash 2 checkpoint fixes."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +80,7 @@ def _dflash2_sources(d: DrafterConfig, checkpoint: Checkpoint) -> dict[str, str]
         return {}
     if sizes is None:  # an upgrade: the params size it, for the checkpoint's target
         check_sizes(d, checkpoint.layers["hidden_size"], checkpoint.layers["vocab_size"])
-        return {key: f"{getattr(d, key)} (params)" for key in DFLASH2_SIZES}
+        return {key: f"{value} (params)" for key, value in asdict(sizes_of(d)).items()}
     for key, value in sizes.items():
         if getattr(d, key) != value:
             raise checkpoint.fail(
