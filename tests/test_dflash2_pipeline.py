@@ -3,9 +3,12 @@ validation kept as best, the export, and evaluation by the selector's walk, loss
 
 import csv
 import json
+import shutil
 
 import pytest
-from conftest import run_stages
+import torch
+from conftest import interrupted_after, run_stages
+from run_outputs import final_weights
 
 from dflash.commands.report import render_report
 
@@ -41,3 +44,26 @@ def test_dflash2_trains_exports_and_evaluates(tiny_workspace):
     assert metrics["lossless_mismatches"] == 0 and metrics["n_prompts"] > 0
     assert metrics["baselines"]["untrained"]["lossless_mismatches"] == 0
     assert 1.0 <= metrics["acceptance_length"] <= 4.0
+
+
+@pytest.mark.slow
+def test_a_stopped_dflash2_run_resumes_to_the_same_drafter(
+    tiny_workspace, tmp_path, monkeypatch, capsys
+):
+    """Stopped after checkpoint 3 and resumed in process, a DFlash 2 run (convs, selector and
+    their optimizer state in the checkpoint) ends bitwise where an uninterrupted one does."""
+    sets = ["drafter.family=dflash2", "drafter.conv_group_size=8", "train.world_size=1",
+            "train.epochs=1", "train.checkpoint_every=3"]  # fmt: skip
+    run_stages(tiny_workspace, ["plan"], sets)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tiny_workspace, resumed)
+    run_stages(tiny_workspace, ["train"], sets)
+    with interrupted_after(monkeypatch, 3):
+        run_stages(resumed, ["train"], sets)
+    capsys.readouterr()
+    run_stages(resumed, ["train"], sets)
+    assert "(global step 3)" in capsys.readouterr().out.partition("resumed at")[2]
+    whole, again = final_weights(tiny_workspace), final_weights(resumed)
+    assert whole.keys() == again.keys() and any("candidate_selector" in k for k in whole)
+    for name in whole:
+        assert torch.equal(whole[name], again[name]), name
