@@ -36,7 +36,7 @@ from dflash.config.params import load_config
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import build_block_mask
 from dflash.model.generate import greedy_generate
-from dflash.model.objective import block_labels
+from dflash.model.labels import block_labels
 from dflash.train.checkpointing import checkpoint
 from dflash.train.checkpointing.checkpoint import CHECKPOINT_NAME
 from dflash.train.distributed.process_group import Dist, init_distributed

@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dflash.model import dflash2_drafter
 from dflash.model.dflash2 import unary
-from dflash.model.objective import Objective, dflash_objective, label_plan
+from dflash.model.labels import label_plan
+from dflash.model.objective import Objective, dflash_objective
 from dflash.train.distributed.parallel import borrowed_unsharded, wrap_drafter
 from dflash.train.distributed.process_group import Dist
 

@@ -20,7 +20,7 @@ from dflash.model.dflash2 import teacher_predecessors
 from dflash.model.dflash2_drafter import DFlash2Drafter, DFlash2Sizes
 from dflash.model.drafter import PAPER_RULE, layer_rules, rule_masks
 from dflash.model.drafter_attention import build_attention_mask, build_block_mask
-from dflash.model.objective import block_labels
+from dflash.model.labels import block_labels
 
 SIZES = DFlash2Sizes(conv_kernel_size=2, conv_group_size=8, selector_rank=6, selector_top_k=5)
 MULTIPLIER, SOFTCAP = 0.7, 0.5

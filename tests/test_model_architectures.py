@@ -12,7 +12,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from dflash.features.target_forward import decoder_layers, target_features
-from dflash.model import target_attention
+from dflash.model import document_layout, target_attention
+from dflash.model.document_layout import DocumentLayout
 from dflash.model.mixing import by_document_rows, mixers, pointwise, unconfined
 from dflash.model.shipped import select_features
 from dflash.train.distributed.parallel import shard_target
@@ -164,8 +165,8 @@ def test_a_packed_row_gives_each_document_its_own_features(name, monkeypatch):
 @pytest.mark.parametrize("name", ["gpt_oss", "gemma3"])
 def test_small_tiles_and_length_classes_change_nothing(name, monkeypatch):
     """Tiles of several key widths and documents in several length classes, sinks included."""
-    monkeypatch.setattr(target_attention, "QUERY_TILE", 4)
-    monkeypatch.setattr(target_attention, "LENGTH_STEP", 4)
+    monkeypatch.setattr(document_layout, "QUERY_TILE", 4)
+    monkeypatch.setattr(document_layout, "LENGTH_STEP", 4)
     model = build(name)
     ids, pos, docs = packed_row(model.config.vocab_size)
     got = target_features(model, ids, pos, docs, LAYERS)
@@ -217,7 +218,7 @@ def test_an_unknown_module_is_a_mixer():
 
 def test_document_rows_put_every_feature_back_in_place(monkeypatch):
     """Rows of documents, padding between and after: each slot gets its own document's output."""
-    monkeypatch.setattr(target_attention, "LENGTH_STEP", 4)
+    monkeypatch.setattr(document_layout, "LENGTH_STEP", 4)
     docs = torch.tensor([[0, 0, 0, 1, 1, -1, 2, 2, 2, 2, 2, -1], [0] * 5 + [1] * 6 + [-1]])
     ids = torch.arange(docs.numel()).view(docs.shape)
     seen = []
@@ -231,7 +232,7 @@ def test_document_rows_put_every_feature_back_in_place(monkeypatch):
     got = by_document_rows(run, ids, docs)
     real = docs >= 0
     assert torch.equal(got[..., 0], ids * real)
-    starts = target_attention.DocumentLayout.of(docs).starts
+    starts = DocumentLayout.of(docs).starts
     assert torch.equal(got[..., 1], (torch.arange(12) - starts) * real)
     assert len(seen) == 2  # widths 4 and 8
 

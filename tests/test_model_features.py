@@ -6,10 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.features.target_forward import decoder_layers, one_document_per_row, target_features
-from dflash.model import target_attention
+from dflash.features.target_forward import decoder_layers, target_features
+from dflash.model import document_layout
+from dflash.model.document_layout import (
+    DocumentLayout,
+    document_classes,
+    one_document_per_row,
+    tile_keys,
+)
 from dflash.model.shipped import select_features
-from dflash.model.target_attention import NAME, DocumentLayout, document_classes, tile_keys
+from dflash.model.target_attention import NAME
 
 LAYERS = [1, 3]
 TINY_TARGET = {"num_hidden_layers": 6}
@@ -61,7 +67,7 @@ def equal_rows():
 @pytest.mark.parametrize("step", [64, 4, 1], ids=["step64", "step4-classes", "step1-exact-classes"])
 @pytest.mark.parametrize("rows", [padded_rows, packed_rows, equal_rows])
 def test_same_features_as_the_whole_stack(target, rows, step, monkeypatch):
-    monkeypatch.setattr(target_attention, "LENGTH_STEP", step)  # 4: several length classes
+    monkeypatch.setattr(document_layout, "LENGTH_STEP", step)  # 4: several length classes
     ids, pos, docs = rows()
     got = target_features(target, ids, pos, docs, LAYERS)
     want = reference_features(target, ids, pos, docs, LAYERS)

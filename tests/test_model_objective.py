@@ -13,8 +13,9 @@ from dflash.model import drafter as drafter_module
 from dflash.model import drafter_attention as attention
 from dflash.model import objective
 from dflash.model.anchors import sample_anchors
+from dflash.model.labels import block_labels
 from dflash.model.layer_ids import target_layer_ids
-from dflash.model.objective import block_labels, dflash_objective
+from dflash.model.objective import dflash_objective
 from dflash.objectives.weights.decay import decay_weights
 
 

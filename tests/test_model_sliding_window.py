@@ -12,7 +12,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from dflash.features.target_forward import target_features
-from dflash.model import target_attention
+from dflash.model import document_layout
 from dflash.model.shipped import select_features
 
 LAYERS = [1, 2, 3]
@@ -83,8 +83,8 @@ def alone(target, ids: torch.Tensor, lengths: list[list[int]]) -> torch.Tensor:
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "one-document"])
 @pytest.mark.parametrize("size", [64, 4], ids=["size64", "size4-classes"])
 def test_features_equal_each_document_alone(build, window, packed, size, monkeypatch):
-    monkeypatch.setattr(target_attention, "QUERY_TILE", size)  # 4: tiles of several widths
-    monkeypatch.setattr(target_attention, "LENGTH_STEP", size)  # 4: several length classes
+    monkeypatch.setattr(document_layout, "QUERY_TILE", size)  # 4: tiles of several widths
+    monkeypatch.setattr(document_layout, "LENGTH_STEP", size)  # 4: several length classes
     target = build(window)
     lengths = DOCS if packed else [[n] for n in (10, 13, 7)]
     ids, pos, docs = rows(lengths)

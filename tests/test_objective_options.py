@@ -26,8 +26,9 @@ from dflash.features.target_forward import target_features
 from dflash.model import losses, objective
 from dflash.model.drafter import PAPER_RULE, layer_rules, rule_masks
 from dflash.model.export import config_json, export_drafter, read_config
+from dflash.model.labels import block_labels
 from dflash.model.losses import WeightedHeadLoss, head_terms
-from dflash.model.objective import Objective, block_labels, dflash_objective
+from dflash.model.objective import Objective, dflash_objective
 from dflash.model.position_weights import position_weight
 from dflash.objectives.weights.decay import decay_weights
 from dflash.objectives.weights.dpace import dpace_weights

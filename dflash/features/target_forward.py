@@ -19,9 +19,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from dflash.model.document_layout import DocumentLayout, packing
 from dflash.model.mixing import by_document_rows, refuse, unconfined
 from dflash.model.shipped import concat_layers
-from dflash.model.target_attention import DocumentLayout, ExactPathNeeded, target_attention
+from dflash.model.target_attention import ExactPathNeeded, target_attention
 
 if TYPE_CHECKING:
     from dflash.train.batches import MicroBatch
@@ -30,36 +31,6 @@ if TYPE_CHECKING:
 def feature_dtype(target: nn.Module) -> torch.dtype:
     """The dtype features travel and are stored in: the target's own (its embedding's)."""
     return target.get_input_embeddings().weight.dtype
-
-
-def one_document_per_row(document_ids: Tensor) -> bool:
-    """Whether every row holds one document from position 0, then padding.
-
-    Such rows need no mask: the real tokens attend only to earlier real tokens under plain
-    causal attention, and padding features are zeroed anyway, so SDPA runs its causal kernel
-    with no ``T x T`` tensor at all, provided the positions run on through the padding (see
-    ``target_features``). Packed rows go through ``target_attention`` instead.
-    """
-    real = document_ids >= 0
-    return bool((document_ids[real] == 0).all() and not (real[:, 1:] & ~real[:, :-1]).any())
-
-
-def packing(document_ids: Tensor, windows: tuple[int, ...] = ()) -> DocumentLayout | bool:
-    """How ``target_features`` runs these rows: False where each holds one document, else their
-    :class:`DocumentLayout` with its length classes and the tiles of the ``windows`` some
-    document outgrows already built.
-
-    Reading the layout takes host reads of the document ids; the DataLoader workers call this on
-    CPU tensors, so that the feature pass reads nothing back from the device.
-    """
-    if one_document_per_row(document_ids):
-        return False
-    layout = DocumentLayout.of(document_ids)
-    layout.documents()
-    for window in windows:
-        if not layout.fits(window):
-            layout.tiles(window)
-    return layout
 
 
 def sliding_windows(target: nn.Module) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from dflash.model.target_attention import DocumentLayout
+from dflash.model.document_layout import DocumentLayout
 
 CONFINED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 """``config.layer_types`` entries whose layers document attention confines."""

@@ -22,10 +22,9 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import Row
 from dflash.config.schema import Config
 from dflash.data.store import TokenStore
-from dflash.features.target_forward import packing
 from dflash.model.anchors import sample_anchors
-from dflash.model.objective import LabelPlan, label_plan
-from dflash.model.target_attention import DocumentLayout
+from dflash.model.document_layout import DocumentLayout, packing
+from dflash.model.labels import LabelPlan, label_plan
 from dflash.train.distributed.orphans import die_with_parent
 
 

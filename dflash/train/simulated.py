@@ -28,7 +28,8 @@ from dflash.metrics.names import SELECTOR, plotted
 from dflash.model.dflash2 import teacher_predecessors
 from dflash.model.drafter_attention import build_attention_mask
 from dflash.model.generate import greedy_generate
-from dflash.model.objective import LOGITS_PER_CHUNK, Objective, block_labels
+from dflash.model.labels import block_labels
+from dflash.model.objective import LOGITS_PER_CHUNK, Objective
 from dflash.model.position_weights import position_weight
 
 PROMPTS = 8
