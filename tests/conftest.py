@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 from hold import Hold
+from run_outputs import final_weights
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import run_stage
@@ -326,6 +327,23 @@ def interrupted_after(monkeypatch, step: int) -> Iterator[None]:
     with pytest.raises(Interrupted):
         yield
     monkeypatch.setattr(checkpoint, "save_checkpoint", save)
+
+
+def stopped_and_resumed(
+    workspace: Path, copy: Path, sets: list[str], monkeypatch, capsys, step: int = 3
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Plan ``workspace`` with ``sets`` and train it uninterrupted; train ``copy`` of it stopped
+    after checkpoint ``step`` (:func:`interrupted_after`) and resumed in process, which must say
+    it resumed there. Both runs' exported weights, for the caller to compare."""
+    run_stages(workspace, ["plan"], sets)
+    shutil.copytree(workspace, copy)
+    run_stages(workspace, ["train"], sets)
+    with interrupted_after(monkeypatch, step):
+        run_stages(copy, ["train"], sets)
+    capsys.readouterr()
+    run_stages(copy, ["train"], sets)
+    assert f"(global step {step})" in capsys.readouterr().out.partition("resumed at")[2]
+    return final_weights(workspace), final_weights(copy)
 
 
 def survivors(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -3,12 +3,10 @@ validation kept as best, the export, and evaluation by the selector's walk, loss
 
 import csv
 import json
-import shutil
 
 import pytest
 import torch
-from conftest import interrupted_after, run_stages
-from run_outputs import final_weights
+from conftest import run_stages, stopped_and_resumed
 
 from dflash.commands.report import render_report
 
@@ -54,16 +52,8 @@ def test_a_stopped_dflash2_run_resumes_to_the_same_drafter(
     their optimizer state in the checkpoint) ends bitwise where an uninterrupted one does."""
     sets = ["drafter.family=dflash2", "drafter.conv_group_size=8", "train.world_size=1",
             "train.epochs=1", "train.checkpoint_every=3"]  # fmt: skip
-    run_stages(tiny_workspace, ["plan"], sets)
     resumed = tmp_path / "resumed"
-    shutil.copytree(tiny_workspace, resumed)
-    run_stages(tiny_workspace, ["train"], sets)
-    with interrupted_after(monkeypatch, 3):
-        run_stages(resumed, ["train"], sets)
-    capsys.readouterr()
-    run_stages(resumed, ["train"], sets)
-    assert "(global step 3)" in capsys.readouterr().out.partition("resumed at")[2]
-    whole, again = final_weights(tiny_workspace), final_weights(resumed)
+    whole, again = stopped_and_resumed(tiny_workspace, resumed, sets, monkeypatch, capsys)
     assert whole.keys() == again.keys() and any("candidate_selector" in k for k in whole)
     for name in whole:
         assert torch.equal(whole[name], again[name]), name

@@ -4,7 +4,6 @@ layer options (sliding-window and causal layers)."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -14,11 +13,9 @@ from conftest import (
     assert_drafts_losslessly,
     dense_blocks,
     drafter_grads,
-    interrupted_after,
-    run_stages,
+    stopped_and_resumed,
     tiny_drafter,
 )
-from run_outputs import final_weights
 from transformers import AutoModel
 
 from dflash.config.schema import ObjectiveConfig
@@ -377,16 +374,8 @@ def test_kl_dpace_and_sliding_window_train_and_resume_exactly(
         "drafter.sliding_window=8",
         "drafter.causal=true",
     ]
-    run_stages(tiny_workspace, ["plan"], sets)
     resumed = tmp_path / "resumed"
-    shutil.copytree(tiny_workspace, resumed)
-    run_stages(tiny_workspace, ["train"], sets)
-    with interrupted_after(monkeypatch, 3):
-        run_stages(resumed, ["train"], sets)
-    capsys.readouterr()
-    run_stages(resumed, ["train"], sets)
-    assert "(global step 3)" in capsys.readouterr().out.partition("resumed at")[2]
-    whole, again = final_weights(tiny_workspace), final_weights(resumed)
+    whole, again = stopped_and_resumed(tiny_workspace, resumed, sets, monkeypatch, capsys)
     assert whole.keys() == again.keys()
     for name in whole:
         assert torch.equal(whole[name], again[name]), name
