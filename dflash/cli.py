@@ -15,7 +15,7 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
-from dflash import logs
+from dflash import heap, logs
 from dflash.commands import exits
 from dflash.commands.parsers import COMPARE, OPTIONS, command_parser, stage_parser
 from dflash.config.params import load_config
@@ -56,7 +56,9 @@ def run_stage(
             provenance.check(stage, config, workspace)
         restricted = restrict(config, declared.params + declared.knobs)
         extra = () if options is None else (options,)
-        result = int(resolve(stage)(restricted, workspace, *extra) or 0)
+        with heap.imports_settled():
+            entry = resolve(stage)
+        result = int(entry(restricted, workspace, *extra) or 0)
         if pipeline and result == 0:
             provenance.record(stage, config, workspace)
     return result
@@ -64,10 +66,13 @@ def run_stage(
 
 def stage_main(stage: str, argv: list[str] | None = None) -> int:
     """Entry point of ``stages/<stage>.py``."""
+    heap.skip_exit_collection()
     return _run(stage, stage_parser(stage).parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``dflash`` and ``python -m dflash.cli`` (each torchrun rank)."""
+    heap.skip_exit_collection()
     args = command_parser().parse_args(argv)
     if args.stage == "compare":  # by name, like report: no stage's code depends on it
         return importlib.import_module(COMPARE).run(args, Path("."))

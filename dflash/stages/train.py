@@ -34,6 +34,7 @@ import yaml
 
 from dflash.config.schema import Config
 from dflash.fileio import remove_files
+from dflash.heap import imports_settled
 from dflash.pipeline.closure import declared_inputs
 from dflash.pipeline.declaration import declared_params, unrestricted
 from dflash.pipeline.lock import (
@@ -96,9 +97,10 @@ def run(config: Config, workspace: Workspace, options: argparse.Namespace | None
 
 
 def _rank(config: Config, workspace: Workspace) -> int:
-    from dflash.train.distributed.node_checks import agree_params
-    from dflash.train.distributed.process_group import init_distributed
-    from dflash.train.loop import train
+    with imports_settled():
+        from dflash.train.distributed.node_checks import agree_params
+        from dflash.train.distributed.process_group import init_distributed
+        from dflash.train.loop import train
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun stops its ranks, blocked or not
     die_with_parent()
@@ -112,15 +114,17 @@ def _rank(config: Config, workspace: Workspace) -> int:
 
 def _launch(config: Config, workspace: Workspace, options: argparse.Namespace | None) -> int:
     with workspace_lock(workspace.lock, "train") as lock:
-        from dflash.train.distributed.nodes import nodes_of
-        from dflash.train.distributed.ranks import processes
-        from dflash.train.preflight import preflight
+        with imports_settled():  # preflight's: torch, and transformers for the target's config
+            from dflash.train.distributed.nodes import nodes_of
+            from dflash.train.distributed.ranks import processes
+            from dflash.train.preflight import preflight
 
-        nodes = nodes_of(options, processes(config.train), config.train)
-        files = train_files(workspace, config)
-        preflight(config, files, nodes.count)
+            nodes = nodes_of(options, processes(config.train), config.train)
+            files = train_files(workspace, config)
+            preflight(config, files, nodes.count)
         if processes(config.train) == 1:
-            from dflash.train.loop import train
+            with imports_settled():
+                from dflash.train.loop import train
 
             train(config, files, declared(config))
             return 0

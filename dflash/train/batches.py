@@ -22,6 +22,7 @@ from dflash.batching.errors import InvalidPlanError
 from dflash.batching.io import Row
 from dflash.config.schema import Config
 from dflash.data.store import TokenStore
+from dflash.heap import skip_exit_collection
 from dflash.model.anchors import sample_anchors
 from dflash.model.document_layout import DocumentLayout, packing
 from dflash.model.labels import LabelPlan, label_plan
@@ -267,7 +268,7 @@ def make_loader(
         pin_memory=pin_memory,
         collate_fn=None,
         timeout=0,
-        worker_init_fn=_die_with_rank,
+        worker_init_fn=_start_worker,
         multiprocessing_context=worker_context() if num_workers > 0 else None,
     )
 
@@ -278,7 +279,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     whose threads held a lock of torch's thread pool at that moment, the call waited on the lock
     forever (once in ~25 runs under load), leaving the worker and its rank hung. A spawned
     worker imports torch itself (seconds, once a run: the workers persist), and it is still the
-    rank's child, so it dies with the rank (:func:`_die_with_rank`); a fork server's children
+    rank's child, so it dies with the rank (:func:`_start_worker`); a fork server's children
     would outlive it."""
     _quiet_resource_tracker()
     return multiprocessing.get_context("spawn")
@@ -298,7 +299,9 @@ def _quiet_resource_tracker() -> None:
         sys.warnoptions.append(TRACKER_WARNINGS)
 
 
-def _die_with_rank(worker_id: int) -> None:
+def _start_worker(worker_id: int) -> None:
     """A worker ends the moment its rank does: the DataLoader's own check of its parent runs
-    only every few seconds, so a stopped run would leave workers behind that long."""
+    only every few seconds, so a stopped run would leave workers behind that long. Its exit
+    skips the teardown's collection, as a rank's does (:mod:`dflash.heap`)."""
     die_with_parent()
+    skip_exit_collection()

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dflash.errors import UserError
+from dflash.heap import imports_settled, skip_exit_collection
 from dflash.pipeline.lock import EXIT_DIR, FAILURE_LOG
 
 JOINED = "dflash-joined"
@@ -43,8 +44,10 @@ T = TypeVar("T")
 
 
 def main(argv: list[str]) -> int:
-    from torch.distributed import DistError, run
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    skip_exit_collection()
+    with imports_settled():
+        from torch.distributed import DistError, run
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     timeout_s, args = float(argv[0]), run.parse_args(argv[1:])
     log = Path(os.environ[FAILURE_LOG])
