@@ -34,6 +34,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.cli import run_stage
 from dflash.config.params import load_config
+from dflash.heap import skip_exit_collection
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.drafter_attention import build_block_mask
 from dflash.model.generate import greedy_generate
@@ -379,7 +380,9 @@ def hold(tmp_path) -> Iterator[Hold]:
 
 
 def gloo_rank(rank: int, world_size: int, port: int) -> Dist:
-    """Join the gloo job that :func:`spawn_ranks` started, as rank ``rank``, on one thread."""
+    """Join the gloo job that :func:`spawn_ranks` started, as rank ``rank``, on one thread; its
+    exit skips the teardown's collection, as a ``dflash train`` rank's does."""
+    skip_exit_collection()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
