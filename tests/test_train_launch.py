@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,8 @@ import pytest
 import torch
 from conftest import survivors
 
+from dflash.cli import run_stage
+from dflash.config.params import load_config
 from dflash.errors import ConfigError
 from dflash.pipeline.lock import WorkspaceBusy, workspace_lock
 from dflash.pipeline.workspace import Workspace
@@ -142,6 +145,25 @@ def test_kill_9_of_the_launchers_group_leaves_no_rank_alive(tiny_workspace, hold
         os.kill(pid, signal.SIGKILL)
     assert left == []
     assert not (tiny_workspace / WS.drafter).exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_started_from_python_train_the_workspace_passed_in(
+    tiny_workspace, tmp_path, monkeypatch
+):
+    """``run_stage("train", config, Workspace(root))`` called from another directory: the
+    ranks read and write ``root``, as one process does, and the working directory gets
+    nothing."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    config = load_config(tiny_workspace / "params.yaml", ["train.max_steps=2"])
+    assert run_stage("train", config, Workspace(tiny_workspace)) == 0
+    details = json.loads((tiny_workspace / WS.train_details).read_text())
+    assert details["world_size"] == 2 and details["steps"] == 2
+    assert (tiny_workspace / WS.drafter / "model.safetensors").is_file()
+    assert not any(elsewhere.iterdir())
 
 
 @pytest.mark.parametrize(

@@ -163,10 +163,11 @@ def _torchrun(
             f"--max-restarts={config.train.max_restarts}",
             *("-m", "dflash.cli", "train", "--params", str(params)),
         ]
-        failures = str(workspace.train_failures)
+        failures = str(workspace.train_failures.relative_to(workspace.root))  # from its cwd
         env = {**os.environ, HELD_BY_LAUNCHER: "1", EXIT_DIR: scratch, FAILURE_LOG: failures}
         job = subprocess.Popen(
             cmd,
+            cwd=workspace.root,  # the ranks' workspace, wherever the launcher's caller runs
             env=env,
             pass_fds=(lock,),
             preexec_fn=parent_death_signal(),
