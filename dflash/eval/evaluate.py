@@ -54,14 +54,21 @@ class Decodes:
 
 
 def untrained_drafter(drafter: DFlashDrafter, target, seed: int) -> DFlashDrafter:
-    """The same drafter at initialisation: what training added is the difference."""
+    """The same drafter at initialisation, its attention as the drafter's (windows, causality)
+    and its mask token: what training added is the difference."""
     c = drafter.config
+    types = list(getattr(c, "layer_types", None) or [])
+    sliding = "sliding_attention" in types
     options = {
         "block_size": c.block_size,
         "num_hidden_layers": c.num_hidden_layers,
         "num_target_features": len(c.target_layer_ids),
         "mask_token_id": c.mask_token_id,
+        "mask_token": c.mask_token,
         "seed": seed,
+        "layer_types": types if sliding else None,
+        "sliding_window": c.sliding_window if sliding else None,
+        "causal": bool(c.dflash.get("causal", False)),
     }
     if isinstance(drafter, DFlash2Drafter):
         sizes = drafter.sizes()
