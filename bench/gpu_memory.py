@@ -14,6 +14,9 @@ against measured CPU peaks.
 Rows are the recipe's packed 4,096-token rows, each holding two documents of a chat corpus's
 typical mean length (about 2,000 tokens) with the recipe's 512 anchors each: 1,024 x 16 block
 slots per row, 4 per token. The drafter's activations scale with those slots, not with the tokens.
+``--family dflash2`` sizes a DFlash 2 drafter instead (convs of 2 taps over groups of 16
+channels, a selector of ``--selector-rank`` over the whole vocabulary, ``--top-k``
+candidates).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import argparse
 from dataclasses import replace
 
 from memory_model import Batch, Dims, components, role_components, transients
+
+from dflash.model.dflash2_drafter import DFlash2Sizes
 
 QWEN3_8B = Dims(
     vocab=151936,
@@ -52,6 +57,13 @@ RESERVED_GB = 4.0
 """CUDA context, NCCL buffers and allocator slack that no tensor accounts for."""
 
 
+def sizes_of(args: argparse.Namespace) -> DFlash2Sizes | None:
+    """The DFlash 2 sizes the flags name (None for a DFlash drafter)."""
+    if getattr(args, "family", "dflash") != "dflash2":
+        return None
+    return DFlash2Sizes(2, 16, args.selector_rank, args.top_k)
+
+
 def batch_of(token_budget: int, row_len: int, anchors: int) -> Batch:
     return Batch(rows=max(1, token_budget // row_len), row_len=row_len, anchors=anchors)
 
@@ -67,6 +79,7 @@ def total_gb(
         checkpoint_layers=checkpoint_layers,
         shards=shards,
         device="cuda",
+        dflash2=sizes_of(args),
     )
     return sum(parts.values()) / GB + RESERVED_GB
 
@@ -89,8 +102,11 @@ def recipe_table(args: argparse.Namespace) -> None:
         f"{batch.rows} rows x {args.row_len} tokens, {args.anchors} anchors per row, "
         f"block {QWEN3_8B.block_size}\n"
     )
-    plain = components(QWEN3_8B, batch, BF16, BF16, device="cuda")
-    recomputed = components(QWEN3_8B, batch, BF16, BF16, checkpoint_layers=True, device="cuda")
+    sizes = sizes_of(args)
+    plain = components(QWEN3_8B, batch, BF16, BF16, device="cuda", dflash2=sizes)
+    recomputed = components(
+        QWEN3_8B, batch, BF16, BF16, checkpoint_layers=True, device="cuda", dflash2=sizes
+    )
     print("| component | GB | GB, if layers were recomputed |")
     print("|---|---|---|")
     for name in plain:
@@ -100,7 +116,7 @@ def recipe_table(args: argparse.Namespace) -> None:
         f"| **total** | **{total_gb(args.token_budget, args, False):,.1f}** | "
         f"**{total_gb(args.token_budget, args, True):,.1f}** |\n"
     )
-    named = transients(QWEN3_8B, batch, BF16, device="cuda")
+    named = transients(QWEN3_8B, batch, BF16, device="cuda", dflash2=sizes)
     print(
         "transients, the largest counted: "
         + ", ".join(f"{name} {size / GB:,.2f} GB" for name, size in named.items())
@@ -129,7 +145,7 @@ def modes_table(args: argparse.Namespace) -> None:
 
 def role_gb(token_budget: int, args, dims: Dims, role: str, shards: int = 1) -> float:
     batch = batch_of(token_budget, args.row_len, args.anchors)
-    parts = role_components(dims, batch, BF16, BF16, role, shards, device="cuda")
+    parts = role_components(dims, batch, BF16, BF16, role, shards, "cuda", sizes_of(args))
     return sum(parts.values()) / GB + RESERVED_GB
 
 
@@ -163,6 +179,9 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=8192)
     parser.add_argument("--row-len", type=int, default=4096, help="tokens per (packed) row")
     parser.add_argument("--anchors", type=int, default=1024, help="anchors per row")
+    parser.add_argument("--family", choices=["dflash", "dflash2"], default="dflash")
+    parser.add_argument("--selector-rank", type=int, default=256, help="dflash2 (z-lab's 256)")
+    parser.add_argument("--top-k", type=int, default=16, help="dflash2: selector_top_k")
     args = parser.parse_args()
     recipe_table(args)
     modes_table(args)

@@ -7,6 +7,11 @@ optimizer state, features, activations kept for backward, the FlexAttention bloc
 GPU, and the largest transient buffer (one loss chunk, one target layer, or one attention chunk
 of the CPU kernel or the block mask being built on a GPU, whichever is biggest).
 
+A DFlash 2 drafter (``dflash2``: its :class:`DFlash2Sizes`) adds its convolutions' and its
+selector's weights, gradients and AdamW state, the selector's two dense ``[V, r]`` codebook
+gradients, the activations both keep for backward, and as transients the selector's backward
+and, on CPU, AdamW's update of a codebook.
+
 Under FSDP (``shards`` > 1) a rank keeps ``1/shards`` of the weights, gradients and AdamW
 state, and gathers whole units for a while: the borrowed embedding and head for the drafter's
 forward and backward, and one drafter layer with its unsharded gradient at a time.
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.model.dflash2 import SIDES
+from dflash.model.dflash2_drafter import DFlash2Sizes
 from dflash.model.drafter_attention import CONTEXT_SCORES_PER_CHUNK, FLEX_TILE
 from dflash.model.objective import chunk_rows
 
@@ -110,7 +117,9 @@ def loss_chunk_bytes(d: Dims, b: Batch, act_bytes: int, device: str) -> float:
     return rows * d.vocab * (FP32 + 2 * act_bytes)
 
 
-def transients(d: Dims, b: Batch, act_bytes: int, device: str = "cpu") -> dict[str, float]:
+def transients(
+    d: Dims, b: Batch, act_bytes: int, device: str = "cpu", dflash2: DFlash2Sizes | None = None
+) -> dict[str, float]:
     """Buffers that live for a moment of the step, one at a time: the largest one counts."""
     named = {
         "target layer": b.tokens * (3 * d.intermediate + 4 * d.hidden) * act_bytes,
@@ -120,7 +129,79 @@ def transients(d: Dims, b: Batch, act_bytes: int, device: str = "cpu") -> dict[s
         named["block mask, building"] = mask_tiles(d, b) * MASK_BUILD_TILE_BYTES
     else:
         named["attention chunk"] = 3 * d.heads * CONTEXT_SCORES_PER_CHUNK * FP32
+    if dflash2 is not None:
+        named["selector backward"] = selector_backward_bytes(d, b, act_bytes, dflash2)
+        if device == "cpu":
+            named["AdamW step"] = adamw_step_bytes(d, dflash2)
     return named
+
+
+def adamw_step_bytes(d: Dims, s: DFlash2Sizes) -> float:
+    """AdamW on CPU updates one parameter at a time through two temporaries its size (the
+    second moment's root and its quotient), mapped afresh while the heap keeps the memory the
+    freed activations held: with DFlash 2 the largest parameter is a ``[V, r]`` codebook, and
+    this step is the CPU peak. On a GPU the caching allocator serves it from those blocks."""
+    largest = max(d.vocab * s.selector_rank, d.features * d.hidden**2, d.hidden * d.intermediate)
+    return 2 * largest * FP32
+
+
+def labels_of(d: Dims, b: Batch) -> int:
+    return b.rows * b.anchors * (d.block_size - 1)
+
+
+def conv_params(d: Dims, s: DFlash2Sizes) -> int:
+    """The two convs of every drafter layer: ``base_kernel [2, taps, H]`` and
+    ``kernel_projection`` ``H -> 2 x taps x H / group_size``."""
+    groups = d.hidden // s.conv_group_size
+    one = SIDES * s.conv_kernel_size * d.hidden * (1 + groups)
+    return d.drafter_layers * 2 * one
+
+
+def selector_params(d: Dims, s: DFlash2Sizes) -> int:
+    """The two codebooks ``[V, r]`` and ``hidden_projection [r, H]``."""
+    return s.selector_rank * (2 * d.vocab + d.hidden)
+
+
+def dflash2_state_bytes(d: Dims, s: DFlash2Sizes, shards: int = 1) -> dict[str, float]:
+    """A rank's DFlash 2 weights and AdamW moments (fp32) and their gradients, each codebook's
+    dense ``[V, r]`` however few rows a step gathers."""
+    return {
+        "convs: weights, grads, AdamW": conv_params(d, s) * 4 * FP32 / shards,
+        "selector: weights, AdamW": selector_params(d, s) * 3 * FP32 / shards,
+        "selector: gradients (dense codebooks)": selector_params(d, s) * FP32 / shards,
+    }
+
+
+def conv_activation_bytes(
+    d: Dims, s: DFlash2Sizes, b: Batch, act_bytes: int, checkpoint_layers: bool
+) -> float:
+    """Per query slot, each of a layer's two convs keeps, for each tap of either side, the
+    shifted input and the per-token kernel (fp32, as ``block_convolve`` computes), and passes a
+    new convolved input to its sublayer, which keeps it."""
+    queries = b.rows * b.anchors * d.block_size
+    per_conv = 2 * SIDES * s.conv_kernel_size * d.hidden * FP32 + d.hidden * act_bytes
+    layers = 1 if checkpoint_layers else d.drafter_layers
+    return layers * 2 * queries * per_conv
+
+
+def selector_activation_bytes(d: Dims, s: DFlash2Sizes, b: Batch, act_bytes: int) -> float:
+    """Per counted label: the picked hidden state, its projection, the predecessor's codebook
+    row and its product with the projection (fp32, the codebooks' dtype; the einsum keeps a
+    compute-dtype copy of the product), the K candidates' codebook rows, the int64 ids of the
+    predecessor and of the candidates (for the pair's lookup and the head rows' recompute),
+    and the K-way cross-entropy's fp32 log-probabilities."""
+    r, k = s.selector_rank, s.selector_top_k
+    copy = r * act_bytes if act_bytes != FP32 else 0
+    per_label = (d.hidden + r + k * r) * act_bytes + 2 * r * FP32 + copy
+    return labels_of(d, b) * (per_label + (2 * k + 1) * 8 + k * FP32)
+
+
+def selector_backward_bytes(d: Dims, b: Batch, act_bytes: int, s: DFlash2Sizes) -> float:
+    """The gradient of the K candidates' codebook rows, the first thing backward makes (the
+    selector's term is the last of the forward), while every activation is still kept; in fp32
+    for the codebooks, beside its compute-dtype original under autocast."""
+    copy = act_bytes if act_bytes != FP32 else 0
+    return labels_of(d, b) * s.selector_top_k * s.selector_rank * (FP32 + copy)
 
 
 def components(
@@ -131,13 +212,15 @@ def components(
     checkpoint_layers: bool = False,
     shards: int = 1,
     device: str = "cpu",
+    dflash2: DFlash2Sizes | None = None,
 ) -> dict[str, float]:
     """Bytes per component of one step. ``act_bytes``: 4 in fp32, 2 under bf16 autocast.
 
     ``checkpoint_layers``: drafter layers recomputed in backward, so each keeps only its input.
     ``shards``: the ranks FSDP shards over (1: DDP, every rank whole). ``device``: ``cuda``
     attends through a FlexAttention block mask and takes the GPU's loss chunks; ``cpu`` runs
-    the two-part kernel's attention chunks.
+    the two-part kernel's attention chunks. ``dflash2``: a DFlash 2 drafter's sizes (None: a
+    DFlash drafter), adding :func:`dflash2_components`.
     """
     H, inter, kv = d.hidden, d.intermediate, d.kv_heads * d.head_dim
     queries = b.rows * b.anchors * d.block_size
@@ -156,7 +239,30 @@ def components(
         "drafter activations": kept_layers * act_bytes,
         "loss gradient": labels * H * FP32,
         **mask,
-        "largest transient": max(transients(d, b, act_bytes, device).values()),
+        **dflash2_components(d, b, act_bytes, checkpoint_layers, shards, dflash2),
+        "largest transient": max(transients(d, b, act_bytes, device, dflash2).values()),
+        **(gathered if shards > 1 else {}),
+    }
+
+
+def dflash2_components(
+    d: Dims,
+    b: Batch,
+    act_bytes: int,
+    checkpoint_layers: bool,
+    shards: int,
+    s: DFlash2Sizes | None,
+) -> dict[str, float]:
+    """What a DFlash 2 drafter adds to a DFlash one's step (nothing for ``s`` None)."""
+    if s is None:
+        return {}
+    # FSDP keeps the selector in the drafter's root unit: gathered whole, in fp32, for the step,
+    # and its gradient whole until the reduce-scatter.
+    gathered = {"selector, gathered (FSDP)": selector_params(d, s) * 2 * FP32}
+    return {
+        **dflash2_state_bytes(d, s, shards),
+        "conv activations": conv_activation_bytes(d, s, b, act_bytes, checkpoint_layers),
+        "selector activations": selector_activation_bytes(d, s, b, act_bytes),
         **(gathered if shards > 1 else {}),
     }
 
@@ -173,6 +279,7 @@ def role_components(
     role: str,
     shards: int = 1,
     device: str = "cpu",
+    dflash2: DFlash2Sizes | None = None,
 ) -> dict[str, float]:
     """Bytes per component on one rank of a decoupled run (``train.topology: decoupled``).
 
@@ -181,9 +288,10 @@ def role_components(
     holds gathered: the embedding, or a decoder layer with the next one's all-gather in flight;
     a drafter rank holds the borrowed embedding and head whole, the drafter's state
     (``shards``: drafter ranks under FSDP), the received features and the drafter's step, whose
-    transients hold no target layer.
+    transients hold no target layer. ``dflash2`` adds a DFlash 2 drafter's parts to the
+    drafter rank.
     """
-    named = transients(d, b, act_bytes, device)
+    named = transients(d, b, act_bytes, device, dflash2)
     if role == "target":
         gathered = max(d.vocab * d.hidden, 2 * layer_params(d)) * weight_bytes
         return {
@@ -192,7 +300,9 @@ def role_components(
             "target layer": named["target layer"],
             **({"gathered units (FSDP)": gathered} if shards > 1 else {}),
         }
-    drafter = components(d, b, act_bytes, weight_bytes, shards=shards, device=device)
+    drafter = components(
+        d, b, act_bytes, weight_bytes, shards=shards, device=device, dflash2=dflash2
+    )
     del drafter["target weights"]
     drafter["largest transient"] = max(v for k, v in named.items() if k != "target layer")
     if shards > 1:  # the borrowed parts stay whole: FSDP gathers only drafter layers

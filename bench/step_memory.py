@@ -9,6 +9,8 @@ lengths and anchor counts and prints a Markdown table. ``--parallelism {ddp,fsdp
 --world-size 2`` runs the step on 2 gloo ranks instead and adds what each rank holds
 (``bench/sharded_step.py``). ``--family dflash2`` measures a DFlash 2 drafter: its
 convolutions, and its selector's codebooks over the whole vocabulary at ``--selector-rank``.
+``--steps 2`` measures a second step, which holds AdamW's moments through its backward as
+training does (the first step's backward runs before they exist).
 ``--topology decoupled`` runs a target rank's part (the target and its features) and a
 drafter rank's part (the borrowed embedding and head, the drafter's step on received
 features) in a process each and prints the memory of each role.
@@ -66,6 +68,13 @@ def feature_count(args: argparse.Namespace) -> int:
     return args.target_features or min(3, max(1, args.layers - 3))
 
 
+def sizes_of(args: argparse.Namespace) -> DFlash2Sizes | None:
+    """The DFlash 2 sizes of the flags (None for a DFlash drafter)."""
+    if args.family != "dflash2":
+        return None
+    return DFlash2Sizes(CONV_KERNEL_SIZE, CONV_GROUP_SIZE, args.selector_rank, args.top_k)
+
+
 def dims_of(args: argparse.Namespace) -> Dims:
     """The memory model's sizes of the flags' target and drafter."""
     c = target_config(args)
@@ -110,8 +119,7 @@ def build_models(args: argparse.Namespace) -> tuple[Qwen3ForCausalLM, DFlashDraf
         "mask_token_id": args.vocab - 1,
     }
     if args.family == "dflash2":
-        sizes = DFlash2Sizes(CONV_KERNEL_SIZE, CONV_GROUP_SIZE, args.selector_rank, args.top_k)
-        return target, DFlash2Drafter.from_target(target, sizes=sizes, **options)
+        return target, DFlash2Drafter.from_target(target, sizes=sizes_of(args), **options)
     return target, DFlashDrafter.from_target(target, **options)
 
 
@@ -145,9 +153,9 @@ def predicted_mib(args: argparse.Namespace) -> float:
     """The memory model's figure for this step in fp32, on top of the bare process."""
     batch = Batch(rows=args.rows, row_len=args.seq_len, anchors=args.anchors)
     if args.role != "both":
-        parts = role_components(dims_of(args), batch, 4, 4, args.role)
+        parts = role_components(dims_of(args), batch, 4, 4, args.role, dflash2=sizes_of(args))
         return sum(parts.values()) / MIB
-    return step_bytes(dims_of(args), batch, act_bytes=4, weight_bytes=4) / MIB
+    return step_bytes(dims_of(args), batch, 4, 4, dflash2=sizes_of(args)) / MIB
 
 
 def one_step(args: argparse.Namespace) -> dict:
@@ -165,15 +173,20 @@ def one_step(args: argparse.Namespace) -> dict:
         features = target_features(target, ids, positions, documents, layers)
     if args.role == "target":
         return role_result(args, bare, rss_models, time.perf_counter() - start)
-    out = dflash_objective(drafter, features, ids, loss_mask, documents, positions, anchors, GAMMA)
-    (out.loss_sum / out.weight_sum).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    step_s = time.perf_counter() - start
+    steps = getattr(args, "steps", 1)
+    for _ in range(steps):  # features once: the target is frozen
+        out = dflash_objective(
+            drafter, features, ids, loss_mask, documents, positions, anchors, GAMMA
+        )
+        (out.loss_sum / out.weight_sum).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    step_s = (time.perf_counter() - start) / steps
     return {
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "models_rss_mib": round(rss_models, 1),
         "predicted_peak_rss_mib": round(bare + predicted_mib(args), 1),
+        "bare_rss_mib": round(bare, 1),
         "step_s": round(step_s, 3),
         "tokens": args.rows * args.seq_len,
         "anchors": int((anchors >= 0).sum()),
@@ -183,6 +196,7 @@ def one_step(args: argparse.Namespace) -> dict:
         "layers": args.layers,
         "block_size": args.block_size,
         "family": args.family,
+        "steps": steps,
         "loss": round(float(out.loss_sum.detach() / out.weight_sum), 4),
     }
 
@@ -231,6 +245,10 @@ def table(args: argparse.Namespace) -> None:
                 f"--rows={args.rows}",
                 f"--anchors={anchors}",
                 f"--block-size={args.block_size}",
+                f"--family={args.family}",
+                f"--selector-rank={args.selector_rank}",
+                f"--top-k={args.top_k}",
+                f"--steps={args.steps}",
                 f"--max-gib={args.max_gib or 0}",
                 "--json",
             ]
@@ -268,6 +286,7 @@ def main() -> None:
     parser.add_argument("--family", choices=["dflash", "dflash2"], default="dflash")
     parser.add_argument("--selector-rank", type=int, default=256, help="dflash2 (z-lab's 256)")
     parser.add_argument("--top-k", type=int, default=16, help="dflash2: selector_top_k")
+    parser.add_argument("--steps", type=int, default=1, help="training steps on the batch")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of text")
     parser.add_argument("--table", action="store_true", help="seq-len x anchors grid, Markdown")
     args = parser.parse_args()
