@@ -175,11 +175,14 @@ def dflash2_state_bytes(d: Dims, s: DFlash2Sizes, shards: int = 1) -> dict[str, 
 def conv_activation_bytes(
     d: Dims, s: DFlash2Sizes, b: Batch, act_bytes: int, checkpoint_layers: bool
 ) -> float:
-    """Per query slot, each of a layer's two convs keeps, for each tap of either side, the
-    shifted input and the per-token kernel (fp32, as ``block_convolve`` computes), and passes a
-    new convolved input to its sublayer, which keeps it."""
+    """Per query slot, each of a layer's two convs keeps what ``block_convolve`` recomputes its
+    taps from in backward: the sublayer's output and both sides' dynamic kernels. The sublayer
+    keeps the convolved input, and under autocast the kernel projection a compute-dtype copy of
+    the conv's input."""
     queries = b.rows * b.anchors * d.block_size
-    per_conv = 2 * SIDES * s.conv_kernel_size * d.hidden * FP32 + d.hidden * act_bytes
+    kernels = SIDES * s.conv_kernel_size * (d.hidden // s.conv_group_size)
+    copy = d.hidden * act_bytes if act_bytes != FP32 else 0
+    per_conv = (2 * d.hidden + kernels) * act_bytes + copy
     layers = 1 if checkpoint_layers else d.drafter_layers
     return layers * 2 * queries * per_conv
 

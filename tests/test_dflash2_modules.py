@@ -10,6 +10,7 @@ import torch
 from conftest import BLOCK_SIZE, MASK_ID, tiny_drafter
 from torch import nn
 
+from dflash.model import dflash2
 from dflash.model.dflash2 import (
     CandidateSelector,
     DFlash2Layer,
@@ -69,6 +70,39 @@ def test_conv_is_the_formula_block_by_block(taps, length):
     torch.testing.assert_close(v, _reference_conv(conv, u, 0, u), atol=1e-10, rtol=0)
     y = conv.finish(w, dynamic)
     torch.testing.assert_close(y, _reference_conv(conv, u, 1, w), atol=1e-10, rtol=0)
+
+
+def _saved_bytes_and_grads(convolve, x, dynamic, base):
+    """What ``convolve`` keeps for backward (bytes), and its inputs' gradients."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = convolve(x, dynamic, base, 4, GS)
+    out.square().sum().backward()
+    grads = [t.grad.clone() for t in (x, dynamic, base)]
+    for t in (x, dynamic, base):
+        t.grad = None
+    return sum(saved), grads
+
+
+def test_the_conv_keeps_its_inputs_alone_and_recomputes_the_same_gradients():
+    """Under autograd the taps are recomputed in backward: kept, each tap's shifted input and
+    kernel would be two more copies of ``x`` per tap (the largest activation of a DFlash 2
+    step at scale, bench/memory_model.py); the gradients are bit for bit those of the kept ones."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 16, H, generator=gen).requires_grad_()
+    dynamic = torch.randn(2, 16, 3, H // GS, generator=gen).requires_grad_()
+    base = torch.randn(3, H, generator=gen).requires_grad_()
+    kept, direct = _saved_bytes_and_grads(dflash2._convolve, x, dynamic, base)
+    recomputed, grads = _saved_bytes_and_grads(dflash2.block_convolve, x, dynamic, base)
+    inputs = sum(t.numel() * t.element_size() for t in (x, dynamic, base))
+    assert recomputed <= inputs < kept / 2
+    for a, b in zip(direct, grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_conv_never_mixes_across_a_block_boundary():

@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash.model.shipped import DFlashDraftConfig, Layer
 
@@ -47,7 +48,21 @@ def block_convolve(
     taps, H / group_size]`` is one kernel value per group of ``group_size`` contiguous channels,
     added to ``base [taps, H]`` with no activation. Computed in at least fp32 (as vLLM's kernel
     accumulates) and returned in ``x``'s dtype.
+
+    Under autograd only the inputs are kept, and backward recomputes the taps: kept, each
+    tap's shifted input and kernel are two fp32 copies of ``x`` per tap, on an 8B target the
+    largest activation of the step (``bench/memory_model.py``). The recompute repeats the same
+    operations, so the gradients are the same bit for bit.
     """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, dynamic, base)):
+        return checkpoint(
+            _convolve, x, dynamic, base, block_size, group_size,
+            use_reentrant=False, preserve_rng_state=False,
+        )  # fmt: skip
+    return _convolve(x, dynamic, base, block_size, group_size)
+
+
+def _convolve(x: Tensor, dynamic: Tensor, base: Tensor, block_size: int, group_size: int) -> Tensor:
     taps, hidden = base.shape
     queries = x.shape[-2]
     dtype = torch.promote_types(torch.promote_types(x.dtype, dynamic.dtype), torch.float32)
