@@ -1,7 +1,8 @@
 """What one DFlash 2 conv keeps for backward, counted by saved-tensor hooks: the conv around a
 linear sublayer (``prepare``, the sublayer, ``finish``), its taps recomputed in backward as
 ``block_convolve`` does, against the same conv keeping each tap's shifted input and kernel.
-Prints a Markdown table in units of ``slots x H x 4`` bytes (one fp32 copy of the input).
+Prints a Markdown table in units of ``slots x H x 4`` bytes (one fp32 copy of the input), and
+the time of a forward and backward of each, as a ratio to the kept one.
 
     .venv/bin/python bench/conv_memory.py [--hidden 256] [--slots 4096] [--taps 2]
 """
@@ -9,6 +10,7 @@ Prints a Markdown table in units of ``slots x H x 4`` bytes (one fp32 copy of th
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -34,6 +36,18 @@ def kept_bytes(conv: GroupedDynamicCausalConv, u: torch.Tensor, autocast: bool) 
     return sum(storages.values())
 
 
+def step_seconds(conv: GroupedDynamicCausalConv, u: torch.Tensor, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` forwards and backwards of the conv around a linear sublayer."""
+    sublayer = torch.nn.Linear(u.shape[-1], u.shape[-1])
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        v, dynamic = conv.prepare(u)
+        conv.finish(sublayer(v), dynamic).square().sum().backward()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -57,6 +71,13 @@ def main() -> None:
             figures.append(kept_bytes(conv, u, autocast) / unit)
         dflash2.block_convolve = recompute
         print(f"| {args.taps}, {name} | {figures[0]:.2f}x | {figures[1]:.2f}x |")
+    seconds = []
+    for convolve in (dflash2._convolve, recompute, dflash2._convolve, recompute):  # interleaved
+        dflash2.block_convolve = convolve
+        seconds.append(step_seconds(conv, u))
+    dflash2.block_convolve = recompute
+    ratio = (seconds[1] + seconds[3]) / (seconds[0] + seconds[2])
+    print(f"\nforward and backward, fp32: recomputed {ratio:.2f}x the time of kept")
 
 
 if __name__ == "__main__":
