@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from memory_model import Batch, Dims, components, role_components, transients
-
-from dflash.model.dflash2_drafter import DFlash2Sizes
+from memory_model import Batch, Dims, components, dflash2_sizes, role_components, transients
 
 QWEN3_8B = Dims(
     vocab=151936,
@@ -57,13 +55,6 @@ RESERVED_GB = 4.0
 """CUDA context, NCCL buffers and allocator slack that no tensor accounts for."""
 
 
-def sizes_of(args: argparse.Namespace) -> DFlash2Sizes | None:
-    """The DFlash 2 sizes the flags name (None for a DFlash drafter)."""
-    if getattr(args, "family", "dflash") != "dflash2":
-        return None
-    return DFlash2Sizes(2, 16, args.selector_rank, args.top_k)
-
-
 def batch_of(token_budget: int, row_len: int, anchors: int) -> Batch:
     return Batch(rows=max(1, token_budget // row_len), row_len=row_len, anchors=anchors)
 
@@ -79,7 +70,7 @@ def total_gb(
         checkpoint_layers=checkpoint_layers,
         shards=shards,
         device="cuda",
-        dflash2=sizes_of(args),
+        dflash2=dflash2_sizes(args),
     )
     return sum(parts.values()) / GB + RESERVED_GB
 
@@ -102,7 +93,7 @@ def recipe_table(args: argparse.Namespace) -> None:
         f"{batch.rows} rows x {args.row_len} tokens, {args.anchors} anchors per row, "
         f"block {QWEN3_8B.block_size}\n"
     )
-    sizes = sizes_of(args)
+    sizes = dflash2_sizes(args)
     plain = components(QWEN3_8B, batch, BF16, BF16, device="cuda", dflash2=sizes)
     recomputed = components(
         QWEN3_8B, batch, BF16, BF16, checkpoint_layers=True, device="cuda", dflash2=sizes
@@ -145,7 +136,7 @@ def modes_table(args: argparse.Namespace) -> None:
 
 def role_gb(token_budget: int, args, dims: Dims, role: str, shards: int = 1) -> float:
     batch = batch_of(token_budget, args.row_len, args.anchors)
-    parts = role_components(dims, batch, BF16, BF16, role, shards, "cuda", sizes_of(args))
+    parts = role_components(dims, batch, BF16, BF16, role, shards, "cuda", dflash2_sizes(args))
     return sum(parts.values()) / GB + RESERVED_GB
 
 

@@ -38,6 +38,18 @@ MASK_BUILD_TILE_BYTES = 30
 tile matrices, their int32 copies and the int64 orders sorting them (measured on CPU)."""
 
 
+CONV_KERNEL_SIZE, CONV_GROUP_SIZE = 2, 16
+"""DFlash 2's convolution as z-lab publishes it (and the default's), which the benches size."""
+
+
+def dflash2_sizes(args) -> DFlash2Sizes | None:
+    """The DFlash 2 sizes a bench's ``--family``, ``--selector-rank`` and ``--top-k`` name (None
+    for a DFlash drafter)."""
+    if args.family != "dflash2":
+        return None
+    return DFlash2Sizes(CONV_KERNEL_SIZE, CONV_GROUP_SIZE, args.selector_rank, args.top_k)
+
+
 @dataclass(frozen=True)
 class Dims:
     """Target sizes (the drafter copies them) and drafter depth, as in a Hugging Face config."""

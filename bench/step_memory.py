@@ -30,18 +30,16 @@ import time
 
 import numpy as np
 import torch
-from memory_model import MIB, Batch, Dims, role_components, step_bytes
+from memory_model import MIB, Batch, Dims, dflash2_sizes, role_components, step_bytes
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.features.target_forward import target_features
 from dflash.model.anchors import sample_anchors
-from dflash.model.dflash2_drafter import DFlash2Drafter, DFlash2Sizes
+from dflash.model.dflash2_drafter import DFlash2Drafter
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.objective import dflash_objective
 
 GAMMA = 7.0
-CONV_KERNEL_SIZE, CONV_GROUP_SIZE = 2, 16
-"""DFlash 2's convolution as z-lab publishes it (and the default's)."""
 HEAD_DIM = 64
 
 
@@ -66,13 +64,6 @@ def target_config(args: argparse.Namespace) -> Qwen3Config:
 
 def feature_count(args: argparse.Namespace) -> int:
     return args.target_features or min(3, max(1, args.layers - 3))
-
-
-def sizes_of(args: argparse.Namespace) -> DFlash2Sizes | None:
-    """The DFlash 2 sizes of the flags (None for a DFlash drafter)."""
-    if args.family != "dflash2":
-        return None
-    return DFlash2Sizes(CONV_KERNEL_SIZE, CONV_GROUP_SIZE, args.selector_rank, args.top_k)
 
 
 def dims_of(args: argparse.Namespace) -> Dims:
@@ -119,7 +110,7 @@ def build_models(args: argparse.Namespace) -> tuple[Qwen3ForCausalLM, DFlashDraf
         "mask_token_id": args.vocab - 1,
     }
     if args.family == "dflash2":
-        return target, DFlash2Drafter.from_target(target, sizes=sizes_of(args), **options)
+        return target, DFlash2Drafter.from_target(target, sizes=dflash2_sizes(args), **options)
     return target, DFlashDrafter.from_target(target, **options)
 
 
@@ -153,9 +144,9 @@ def predicted_mib(args: argparse.Namespace) -> float:
     """The memory model's figure for this step in fp32, on top of the bare process."""
     batch = Batch(rows=args.rows, row_len=args.seq_len, anchors=args.anchors)
     if args.role != "both":
-        parts = role_components(dims_of(args), batch, 4, 4, args.role, dflash2=sizes_of(args))
+        parts = role_components(dims_of(args), batch, 4, 4, args.role, dflash2=dflash2_sizes(args))
         return sum(parts.values()) / MIB
-    return step_bytes(dims_of(args), batch, 4, 4, dflash2=sizes_of(args)) / MIB
+    return step_bytes(dims_of(args), batch, 4, 4, dflash2=dflash2_sizes(args)) / MIB
 
 
 def one_step(args: argparse.Namespace) -> dict:
